@@ -1,0 +1,191 @@
+"""The engine directory: ``export`` writes it from a ``.nemo``, ``load`` serves from it alone.
+
+Layout (docs/engine_format.md)::
+
+    model_dir/manifest.json           format version, model type, modality, dtype, limits, source, package version
+    model_dir/visual_engine/          (or perception_engine/) config.json + model.safetensors [+ encoder.onnx]
+    model_dir/llm_engine/             config.json, model.safetensors, tokenizer files, template.json
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..checkpoint import NemoCheckpoint
+from ..llm.config import DecoderConfig
+from ..llm.model import Decoder, select_llm_weights
+from ..llm.tokenizer import Tokenizer, load_saved_tokenizer
+from ..models import Perception, get_model_type
+from ..models.templates import ChatTemplate, resolve_template
+from .limits import EngineLimits
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LLM_DIR = "llm_engine"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class EngineError(RuntimeError):
+    """The engine directory is missing, incomplete or of another format version."""
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` → ``torch.bfloat16``; an unknown name is an error listing the supported ones."""
+    if name not in DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *, model_type: str = "neva",
+                  llm_checkpoint_path: str | Path | None = None, llm_model_type: str = "llama",
+                  limits: EngineLimits = EngineLimits(), dtype: str = "bfloat16",
+                  vision_tower_path: str | None = None, tokenizer_path: str | None = None,
+                  export_onnx: bool = False, rename_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Read the checkpoint(s), build perception and LLM, write the engine directory; return the manifest."""
+    kind = get_model_type(model_type)
+    target = torch_dtype(dtype)
+    model_dir = Path(model_dir)
+    checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
+    config = checkpoint.config
+    weights = checkpoint.state_dict()
+
+    encoder = kind.build_perception(config, weights, dtype=torch.float32 if target == torch.float32 else target,
+                                    vision_tower_path=vision_tower_path)
+    perception_facts = kind.save_perception(encoder, model_dir / kind.perception_dir, config)
+    limits.check_export(perception_facts["features_per_item"])
+    if export_onnx:
+        from ..perception.onnx_export import export_vision_onnx
+
+        export_vision_onnx(encoder.float(), model_dir / kind.perception_dir / "encoder.onnx")
+    del encoder
+
+    llm_checkpoint = checkpoint
+    if llm_checkpoint_path is not None:
+        del weights
+        llm_checkpoint = NemoCheckpoint(llm_checkpoint_path, rename_keys=rename_keys)
+        weights = llm_checkpoint.state_dict()
+    llm_weights = select_llm_weights(weights)
+    del weights
+    _write_llm(model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target)
+    tokenizer = llm_checkpoint.tokenizer(tokenizer_path=tokenizer_path)
+    tokenizer_description = tokenizer.save(model_dir / LLM_DIR)
+    (model_dir / LLM_DIR / "tokenizer_description.json").write_text(json.dumps(tokenizer_description, indent=2))
+    (model_dir / LLM_DIR / "template.json").write_text(json.dumps(resolve_template(config).to_dict(), indent=2))
+
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "model_type": model_type,
+        "modality": kind.modality,
+        "llm_model_type": llm_model_type,
+        "dtype": dtype,
+        "limits": limits.to_dict(),
+        "features_per_item": perception_facts["features_per_item"],
+        "source": _describe_source(visual_checkpoint_path, llm_checkpoint_path),
+        "package_version": _package_version(),
+    }
+    (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return manifest
+
+
+def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
+    """Cast the decoder weights one tensor at a time (never two full copies) and save them with the config."""
+    directory.mkdir(parents=True, exist_ok=True)
+    vocab_size = int(weights["embedding.word_embeddings.weight"].shape[0])
+    decoder_config = DecoderConfig.from_nemo(model_config, vocab_size=vocab_size)
+    for name in list(weights):
+        weights[name] = weights.pop(name).to(dtype).contiguous()
+    Decoder.from_state_dict(decoder_config, {k: v.to("meta") for k, v in weights.items()})  # names/shapes check
+    (directory / "config.json").write_text(json.dumps(decoder_config.to_dict(), indent=2))
+    save_file(weights, str(directory / "model.safetensors"))
+
+
+def _describe_source(*paths: str | Path | None) -> list[dict[str, str]]:
+    return [{"name": Path(p).name, "sha256": _sha256(Path(p))} for p in paths if p is not None]
+
+
+def _sha256(path: Path) -> str:
+    if path.is_dir():
+        return "directory"
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _package_version() -> str:
+    try:
+        return metadata.version("nemo-mm-deploy")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass
+class Engine:
+    """Everything needed to answer requests, read from an engine directory."""
+
+    manifest: dict[str, Any]
+    limits: EngineLimits
+    decoder: Decoder
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    perception: Perception
+
+    @property
+    def model_type(self) -> str:
+        return self.manifest["model_type"]
+
+    @property
+    def modality(self) -> str:
+        return self.manifest["modality"]
+
+
+def read_manifest(model_dir: str | Path) -> dict[str, Any]:
+    """The manifest of an engine directory, or an :class:`EngineError` saying what is missing."""
+    path = Path(model_dir) / MANIFEST
+    if not path.is_file():
+        raise EngineError(f"{model_dir} is not an engine directory (no {MANIFEST}); export a checkpoint into it first")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise EngineError(f"{path} has format version {manifest.get('format_version')}, this package reads "
+                          f"{FORMAT_VERSION}; export the checkpoint again")
+    return manifest
+
+
+def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = None,
+                max_image_pixels: int | None = None) -> Engine:
+    """Load an exported engine directory (no checkpoint, no network) onto ``device``."""
+    model_dir = Path(model_dir)
+    manifest = read_manifest(model_dir)
+    kind = get_model_type(manifest["model_type"])
+    target = torch_dtype(dtype or manifest["dtype"])
+    llm_dir = model_dir / LLM_DIR
+    decoder_config = DecoderConfig.from_dict(json.loads((llm_dir / "config.json").read_text()))
+    decoder = Decoder.from_state_dict(decoder_config, load_file(str(llm_dir / "model.safetensors")),
+                                      dtype=target, device=device)
+    tokenizer = load_saved_tokenizer(llm_dir, json.loads((llm_dir / "tokenizer_description.json").read_text()))
+    template = ChatTemplate.from_dict(json.loads((llm_dir / "template.json").read_text()))
+    perception = kind.load_perception(model_dir / kind.perception_dir, device=device, dtype=target,
+                                      max_image_pixels=max_image_pixels)
+    return Engine(manifest, EngineLimits(**manifest["limits"]), decoder, tokenizer, template, perception)
+
+
+def prepare_model_dir(model_dir: str | Path, delete_existing_files: bool) -> Path:
+    """Create ``model_dir``; clear it when asked, refuse a non-empty one otherwise (NeMo's behaviour)."""
+    model_dir = Path(model_dir)
+    if model_dir.exists() and any(model_dir.iterdir()):
+        if not delete_existing_files:
+            raise EngineError(f"There are files in this folder ({model_dir}). Try setting delete_existing_files=True.")
+        for entry in model_dir.iterdir():
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    model_dir.mkdir(parents=True, exist_ok=True)
+    return model_dir

@@ -1,0 +1,84 @@
+"""What every model type answers: its modality, how media become features, and how a prompt is laid out.
+
+A model type (one module per ``--model_type``) builds its perception engine at export, rebuilds it from the engine
+directory at load, and turns one request (text + media) into a :class:`PromptLayout`: token-id pieces with feature
+blocks between them. The runtime embeds the ids, splices the features as embeddings and runs the LLM.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..llm.tokenizer import Tokenizer
+from .templates import ChatTemplate
+
+
+class MultimodalInputError(ValueError):
+    """A request's text or media cannot be turned into a prompt (the message says what to change)."""
+
+
+@dataclass
+class PromptLayout:
+    """One request's prompt: ``pieces`` alternate token-id lists and feature blocks ``[n, H]`` in sequence order."""
+
+    pieces: list[list[int] | torch.Tensor]
+
+    @property
+    def length(self) -> int:
+        return sum(len(p) if isinstance(p, list) else int(p.shape[0]) for p in self.pieces)
+
+    def token_ids(self, media_id: int = -1) -> list[int]:
+        """The prompt as ids, ``media_id`` at every feature position (for repetition penalty and accounting)."""
+        ids: list[int] = []
+        for piece in self.pieces:
+            ids.extend(piece if isinstance(piece, list) else [media_id] * int(piece.shape[0]))
+        return ids
+
+
+class ModelType(ABC):
+    """The model-specific half of export and inference; the engine and runtime do the rest."""
+
+    name: str
+    modality: str  # "vision" or "audio"
+    perception_dir: str  # "visual_engine" or "perception_engine"
+
+    @abstractmethod
+    def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                         vision_tower_path: str | None) -> torch.nn.Module:
+        """Build the perception encoder from the checkpoint's config and canonical weights."""
+
+    @abstractmethod
+    def save_perception(self, encoder: torch.nn.Module, directory: Path, model_config: Any) -> dict:
+        """Write the encoder to ``directory``; return facts the manifest records (e.g. tokens per media item)."""
+
+    @abstractmethod
+    def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
+                        max_image_pixels: int | None = None) -> "Perception":
+        """Rebuild the runtime perception (preprocessing + encoder) from ``directory``."""
+
+
+class Perception(ABC):
+    """Runtime side of a model type: media → features, and text + features → prompt layout."""
+
+    @property
+    @abstractmethod
+    def features_per_item(self) -> int:
+        """Feature vectors one media item contributes (the unit of ``max_multimodal_len``)."""
+
+    @abstractmethod
+    def load_media(self, media: Any) -> list[torch.Tensor]:
+        """Decode and preprocess one request's media into encoder inputs (one tensor per item)."""
+
+    @abstractmethod
+    def encode(self, items: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Encode preprocessed items (from any number of requests) into one feature block ``[n, H]`` each."""
+
+    @abstractmethod
+    def layout(self, text: str, features: list[torch.Tensor], tokenizer: Tokenizer, template: ChatTemplate,
+               apply_chat_template: bool) -> PromptLayout:
+        """Place one request's feature blocks into its prompt."""

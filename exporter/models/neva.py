@@ -1,0 +1,114 @@
+"""Neva (LLaVA-style image model): one vision encoder, image features spliced at each ``<image>``.
+
+VILA shares everything but its defaults (SigLIP tower, ``mlp_downsample``, ``resize`` aspect mode, several images per
+prompt), which come from the checkpoint's own config, so it is registered as the same class under another name.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from ..llm.tokenizer import Tokenizer
+from ..perception.vision_encoder import VisionEncoder, build_vision_encoder
+from .base import ModelType, MultimodalInputError, Perception, PromptLayout
+from .templates import IMAGE_PLACEHOLDER, ChatTemplate
+
+IM_START_TOKEN = "<extra_id_4>"
+IM_END_TOKEN = "<extra_id_5>"
+
+
+class ImageModel(ModelType):
+    """Export/load half of an image-text model type."""
+
+    modality = "vision"
+    perception_dir = "visual_engine"
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                         vision_tower_path: str | None) -> VisionEncoder:
+        return build_vision_encoder(model_config, state_dict, vision_tower_path, dtype=dtype)
+
+    def save_perception(self, encoder: VisionEncoder, directory: Path, model_config: Any) -> dict:
+        directory.mkdir(parents=True, exist_ok=True)
+        mm_cfg = model_config.get("mm_cfg") or {}
+        config = {"model_type": self.name, "encoder": encoder.spec(),
+                  "use_im_start_end": bool(mm_cfg.get("use_im_start_end", False))}
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
+        save_file(encoder.state_dict_for_engine(), str(directory / "model.safetensors"))
+        return {"features_per_item": encoder.tokens_per_image}
+
+    def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
+                        max_image_pixels: int | None = None) -> "ImagePerception":
+        config = json.loads((directory / "config.json").read_text())
+        weights = load_file(str(directory / "model.safetensors"))
+        encoder = VisionEncoder.from_spec(config["encoder"], weights, dtype=dtype).to(device)
+        overrides = {} if max_image_pixels is None else {"max_image_pixels": max_image_pixels}
+        return ImagePerception(encoder, encoder.preprocessor(**overrides), config["use_im_start_end"])
+
+
+class ImagePerception(Perception):
+    """Runtime: images → pixels → features; ``<image>`` placeholders → feature blocks."""
+
+    def __init__(self, encoder: VisionEncoder, preprocessor, use_im_start_end: bool = False,
+                 max_encoder_batch: int = 16):
+        self.encoder = encoder
+        self.preprocessor = preprocessor
+        self.use_im_start_end = use_im_start_end
+        self.max_encoder_batch = max_encoder_batch
+
+    @property
+    def features_per_item(self) -> int:
+        return self.encoder.tokens_per_image
+
+    def load_media(self, media: Any) -> list[torch.Tensor]:
+        if isinstance(media, np.ndarray) and media.ndim == 4:  # NeMo's wire shape: [images, H, W, 3]
+            media = list(media)
+        items = media if isinstance(media, (list, tuple)) else [media]
+        return [self.preprocessor.preprocess_one(item) for item in items if item is not None]
+
+    @torch.inference_mode()
+    def encode(self, items: list[torch.Tensor]) -> list[torch.Tensor]:
+        device = next(self.encoder.parameters()).device
+        blocks: list[torch.Tensor] = []
+        for start in range(0, len(items), self.max_encoder_batch):
+            pixels = torch.stack(items[start:start + self.max_encoder_batch]).to(device)
+            blocks.extend(self.encoder(pixels).unbind(0))
+        return blocks
+
+    def layout(self, text: str, features: list[torch.Tensor], tokenizer: Tokenizer, template: ChatTemplate,
+               apply_chat_template: bool) -> PromptLayout:
+        if apply_chat_template:
+            prompt = template.render(text, IMAGE_PLACEHOLDER if features else "")
+        else:
+            prompt = text
+        parts = prompt.split(IMAGE_PLACEHOLDER)
+        if len(parts) - 1 != len(features):
+            raise MultimodalInputError(
+                f"the prompt has {len(parts) - 1} {IMAGE_PLACEHOLDER} placeholder(s) but the request carries "
+                f"{len(features)} image(s); put one {IMAGE_PLACEHOLDER} in the text for each image"
+            )
+        pieces: list[list[int] | torch.Tensor] = []
+        add_bos = apply_chat_template and template.add_bos
+        for index, part in enumerate(parts):
+            ids = tokenizer.encode(part, add_bos=add_bos and index == 0) if (part or add_bos) else []
+            if ids:
+                pieces.append(ids)
+            if index < len(features):
+                pieces.extend(self._framed(features[index], tokenizer))
+        return PromptLayout(pieces)
+
+    def _framed(self, block: torch.Tensor, tokenizer: Tokenizer) -> list[list[int] | torch.Tensor]:
+        if not self.use_im_start_end:
+            return [block]
+        start, end = tokenizer.token_to_id(IM_START_TOKEN), tokenizer.token_to_id(IM_END_TOKEN)
+        if start is None or end is None:
+            raise MultimodalInputError(f"use_im_start_end needs {IM_START_TOKEN} and {IM_END_TOKEN} in the tokenizer")
+        return [[start], block, [end]]

@@ -1,0 +1,214 @@
+"""``TensorRTMMExporter``: NeMo's public multimodal exporter class and signatures over this package's engine.
+
+``export`` writes an engine directory from a ``.nemo``; ``forward`` answers text + media; the Triton methods make it
+servable by ``deploy.DeployPyTriton``. The engines are PyTorch (CPU or CUDA); ``export_onnx=True`` also writes the
+vision encoder as ONNX, the file a TensorRT build consumes elsewhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from deploy.triton_deployable import (
+    InferRequest,
+    ITritonDeployable,
+    RequestRow,
+    encode_outputs,
+    multimodal_triton_inputs,
+    multimodal_triton_outputs,
+    split_request,
+)
+
+from .engine import Engine, EngineLimits, export_engine, load_engine, prepare_model_dir, read_manifest
+from .llm.generate import SamplingParams
+from .models import get_model_type
+from .runtime import Pipeline, Request
+
+MODALITIES = ("vision", "audio")
+BACKENDS = ("torch",)
+
+
+class InvalidModalityError(ValueError, AssertionError):
+    """The modality is not one of ``vision`` / ``audio`` (an AssertionError too, as NeMo raised)."""
+
+
+class TensorRTMMExporter(ITritonDeployable):
+    """Export a NeMo multimodal checkpoint to an engine directory and run or serve it.
+
+    ``model_dir`` is the engine directory; with ``load_model=True`` an existing engine there is loaded at once.
+    """
+
+    def __init__(self, model_dir: str | Path, load_model: bool = True, modality: str = "vision",
+                 device: str | None = None, max_image_pixels: int | None = None):
+        if modality not in MODALITIES:
+            raise InvalidModalityError(f"modality must be one of {MODALITIES}, got {modality!r}")
+        self.model_dir = Path(model_dir)
+        self.modality = modality
+        self.device = device or _default_device()
+        self.max_image_pixels = max_image_pixels
+        self.engine: Engine | None = None
+        self.pipeline: Pipeline | None = None
+        if load_model and (self.model_dir / "manifest.json").is_file():
+            self._load()
+
+    def export(
+        self,
+        visual_checkpoint_path: str | Path,
+        llm_checkpoint_path: str | Path | None = None,
+        model_type: str = "neva",
+        llm_model_type: str = "llama",
+        tensor_parallel_size: int = 1,
+        max_input_len: int = 4096,
+        max_output_len: int = 256,
+        max_batch_size: int = 1,
+        vision_max_batch_size: int = 1,
+        max_multimodal_len: int = 3072,
+        dtype: str = "bfloat16",
+        delete_existing_files: bool = True,
+        load_model: bool = True,
+        use_lora_plugin: str | None = None,
+        lora_target_modules: Sequence[str] | None = None,
+        lora_checkpoint_path: str | Path | None = None,
+        max_lora_rank: int = 64,
+        *,
+        vision_tower_path: str | None = None,
+        tokenizer_path: str | None = None,
+        backend: str = "torch",
+        export_onnx: bool = False,
+        nemo_rename_key: Sequence[str] = (),
+    ) -> None:
+        """Write the engine directory (NeMo's arguments; the keyword-only ones are this package's)."""
+        kind = get_model_type(model_type)
+        if kind.modality != self.modality:
+            raise InvalidModalityError(
+                f"model_type {model_type!r} takes modality {kind.modality!r}, but this exporter was created with "
+                f"modality={self.modality!r}"
+            )
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported by the PyTorch engine; use 1")
+        if lora_checkpoint_path is not None or use_lora_plugin:
+            raise NotImplementedError("LoRA checkpoints are not supported yet; merge the LoRA into the checkpoint")
+        limits = EngineLimits(max_input_len=max_input_len, max_output_len=max_output_len,
+                              max_batch_size=max_batch_size, max_multimodal_len=max_multimodal_len,
+                              vision_max_batch_size=vision_max_batch_size)
+        prepare_model_dir(self.model_dir, delete_existing_files)
+        export_engine(self.model_dir, visual_checkpoint_path, model_type=model_type,
+                      llm_checkpoint_path=llm_checkpoint_path, llm_model_type=llm_model_type, limits=limits,
+                      dtype=dtype, vision_tower_path=vision_tower_path, tokenizer_path=tokenizer_path,
+                      export_onnx=export_onnx, rename_keys=tuple(nemo_rename_key))
+        if load_model:
+            self._load()
+
+    def _load(self) -> None:
+        manifest = read_manifest(self.model_dir)
+        if manifest["modality"] != self.modality:
+            raise InvalidModalityError(f"the engine in {self.model_dir} is for modality {manifest['modality']!r}, "
+                                       f"not {self.modality!r}")
+        self.engine = load_engine(self.model_dir, device=self.device, max_image_pixels=self.max_image_pixels)
+        self.pipeline = Pipeline(self.engine)
+
+    def forward(
+        self,
+        input_text: str | Sequence[str],
+        input_media: Any = None,
+        batch_size: int = 1,
+        max_output_len: int = 30,
+        top_k: int = 1,
+        top_p: float = 0.0,
+        temperature: float = 1.0,
+        repetition_penalty: float = 1.0,
+        num_beams: int = 1,
+        lora_uids: Sequence[str] | None = None,
+        apply_chat_template: bool = True,
+    ) -> list[list[str]]:
+        """Answer one prompt, or a list of prompts with one media entry each; returns ``[batch][beam]`` strings.
+
+        The first failing request raises its error (use the Triton path for per-request errors).
+        """
+        pipeline = self._require_pipeline()
+        texts = [input_text] if isinstance(input_text, str) else list(input_text)
+        media = list(input_media) if isinstance(input_media, (list, tuple)) and not isinstance(input_text, str) \
+            else [input_media] * len(texts)
+        if len(media) != len(texts):
+            raise ValueError(f"got {len(texts)} prompts but {len(media)} media entries; give one per prompt")
+        if lora_uids:
+            raise NotImplementedError("lora_uids are not supported yet")
+        pipeline.engine.limits.check_batch(len(texts))
+        params = SamplingParams(max_output_len=max_output_len, top_k=top_k, top_p=top_p, temperature=temperature,
+                                repetition_penalty=repetition_penalty, num_beams=num_beams)
+        results = pipeline.run([Request(t, m, params, apply_chat_template) for t, m in zip(texts, media)])
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return results  # type: ignore[return-value]
+
+    def _require_pipeline(self) -> Pipeline:
+        if self.pipeline is None:
+            raise RuntimeError(f"the model should be exported and loaded first: no engine in {self.model_dir}; "
+                               "call export(...) or point model_dir at an exported engine directory")
+        return self.pipeline
+
+    # --- Triton (ITritonDeployable) ---------------------------------------------------------------------------------
+
+    @property
+    def get_triton_input(self):
+        return multimodal_triton_inputs(self.modality)
+
+    @property
+    def get_triton_output(self):
+        return multimodal_triton_outputs()
+
+    def triton_infer_fn(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+        """NeMo's whole-batch entry point: every row answered, the first failure raised."""
+        result = self.triton_infer_requests([inputs])[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def triton_infer_requests(self, requests: Sequence[InferRequest]) -> list[dict[str, np.ndarray] | Exception]:
+        """Answer all rows of all requests in shared batches; a request fails alone if any of its rows fails."""
+        pipeline = self._require_pipeline()
+        rows_of: list[list[Request] | Exception] = []
+        for request in requests:
+            try:
+                rows_of.append([_pipeline_request(row) for row in split_request(request)])
+            except Exception as error:  # noqa: BLE001 - belongs to this request only
+                rows_of.append(error)
+        flat = [row for rows in rows_of if isinstance(rows, list) for row in rows]
+        answers = iter(pipeline.run(flat))
+        results: list[dict[str, np.ndarray] | Exception] = []
+        for rows in rows_of:
+            if isinstance(rows, Exception):
+                results.append(rows)
+                continue
+            mine = [next(answers) for _ in rows]
+            failure = next((a for a in mine if isinstance(a, Exception)), None)
+            results.append(failure if failure is not None else encode_outputs(mine))  # type: ignore[arg-type]
+        return results
+
+
+def _pipeline_request(row: RequestRow) -> Request:
+    if row.params.lora_uids:
+        raise NotImplementedError("lora_uids are not supported yet")
+    params = SamplingParams(max_output_len=row.params.max_output_len, top_k=row.params.top_k, top_p=row.params.top_p,
+                            temperature=row.params.temperature, repetition_penalty=row.params.repetition_penalty,
+                            num_beams=row.params.num_beams)
+    if row.media_bytes is not None:
+        media: Any = row.media_bytes
+    elif row.media is not None:
+        media = list(row.media) if row.media.ndim == 4 else row.media
+    else:
+        media = row.signal
+    return Request(row.text, media, params)
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
