@@ -1,4 +1,4 @@
-"""Perception: vision towers (transformers CLIP / SigLIP), NeMo projectors, image preprocessing, encoder export."""
+"""Perception: vision towers (transformers CLIP / SigLIP), NeMo projectors, image preprocessing, ONNX."""
 
 from .image_preprocess import DEFAULT_MAX_IMAGE_PIXELS, ImageLoadError, ImagePreprocessor
 from .onnx_export import export_vision_onnx
@@ -8,11 +8,11 @@ from .vision_tower import VisionTower, VisionTowerError, build_vision_tower
 
 __all__ = [
     "DEFAULT_MAX_IMAGE_PIXELS",
+    "SPEC_FORMAT",
     "DownSampleBlock",
     "ImageLoadError",
     "ImagePreprocessor",
     "ProjectorError",
-    "SPEC_FORMAT",
     "VisionEncoder",
     "VisionEncoderError",
     "VisionTower",
