@@ -1,0 +1,73 @@
+"""Shared test fixtures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def make_tiny_gpt_weights(config: dict, vocab: int = 64, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random canonical weights (docs/architecture.md) for a NeMo-1 style GPT `config`."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden, ffn = config["hidden_size"], config["ffn_hidden_size"]
+    heads = config["num_attention_heads"]
+    groups = config.get("num_query_groups") or heads
+    head_dim = config.get("kv_channels") or hidden // heads
+    fc1_rows = 2 * ffn if config["activation"] in ("fast-swiglu", "swiglu", "fast-geglu", "geglu") else ffn
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator)
+
+    weights = {
+        "embedding.word_embeddings.weight": rand(vocab, hidden),
+        "decoder.final_layernorm.weight": rand(hidden),
+        "output_layer.weight": rand(vocab, hidden),
+        "embedding.word_embeddings.adapter_layer.mm_projector_adapter.mm_projector.0.weight": rand(hidden, 8),
+        "embedding.word_embeddings.adapter_layer.mm_projector_adapter.mm_projector.0.bias": rand(hidden),
+    }
+    for i in range(config["num_layers"]):
+        layer = f"decoder.layers.{i}."
+        weights.update(
+            {
+                layer + "input_layernorm.weight": rand(hidden),
+                layer + "self_attention.linear_qkv.weight": rand((heads + 2 * groups) * head_dim, hidden),
+                layer + "self_attention.linear_qkv.bias": rand((heads + 2 * groups) * head_dim),
+                layer + "self_attention.linear_proj.weight": rand(hidden, heads * head_dim),
+                layer + "self_attention.linear_proj.bias": rand(hidden),
+                layer + "pre_mlp_layernorm.weight": rand(hidden),
+                layer + "mlp.linear_fc1.weight": rand(fc1_rows, hidden),
+                layer + "mlp.linear_fc1.bias": rand(fc1_rows),
+                layer + "mlp.linear_fc2.weight": rand(hidden, ffn),
+                layer + "mlp.linear_fc2.bias": rand(hidden),
+            }
+        )
+    return weights
+
+
+@pytest.fixture
+def tiny_gpt_config() -> dict:
+    """A tiny NeMo-1 model config: 4 layers, GQA (8 heads, 4 groups), SwiGLU, RMSNorm, biases."""
+    return {
+        "num_layers": 4,
+        "hidden_size": 32,
+        "ffn_hidden_size": 48,
+        "num_attention_heads": 8,
+        "num_query_groups": 4,
+        "kv_channels": 4,
+        "activation": "fast-swiglu",
+        "normalization": "rmsnorm",
+        "bias": True,
+        "position_embedding_type": "rope",
+        "rotary_percentage": 1.0,
+        "rotary_base": 10000,
+        "share_embeddings_and_output_weights": False,
+        "layernorm_epsilon": 1e-5,
+        "max_position_embeddings": 128,
+        "tokenizer": {"library": "sentencepiece", "model": "tokenizer.model"},
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_weights():
+    """The builder of random canonical weights for a config: `tiny_gpt_weights(config, vocab=64, seed=0)`."""
+    return make_tiny_gpt_weights

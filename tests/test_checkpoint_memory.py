@@ -1,0 +1,75 @@
+"""Loading a checkpoint of W bytes never holds two copies of the weights: peak RSS < 1.3 W + 300 MB."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from exporter.nemo_writer import write_nemo
+
+MB = 1 << 20
+
+# Measured in a fresh process: peak RSS after loading minus peak RSS after the imports. The peak is the
+# kernel's VmHWM of this process image (ru_maxrss would not do: Linux carries the parent's peak over exec).
+CHILD = """
+import json, sys
+import torch
+from exporter.checkpoint import NemoCheckpoint
+
+def peak_rss():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+
+torch.set_num_threads(1)
+baseline = peak_rss()
+weights = NemoCheckpoint(sys.argv[1]).state_dict()
+peak = peak_rss()
+size = sum(t.numel() * t.element_size() for t in weights.values())
+print(json.dumps({"growth": peak - baseline, "weights": size}))
+"""
+
+# ~580 MB of float32: 10 layers of ~51 MB (largest tensor, fc1, 23 MB) plus two 33 MB vocabulary matrices.
+# Above ~430 MB a loader holding two copies of the weights (2 W) exceeds the limit: the test can catch one.
+BIG_CONFIG = {
+    "num_layers": 10,
+    "hidden_size": 1024,
+    "ffn_hidden_size": 2816,
+    "num_attention_heads": 16,
+    "num_query_groups": 16,
+    "kv_channels": 64,
+    "activation": "fast-swiglu",
+    "normalization": "rmsnorm",
+    "bias": True,
+}
+
+
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/status").exists(), reason="needs Linux /proc for peak RSS"
+)
+
+
+@pytest.fixture(scope="module")
+def big_weights(tiny_gpt_weights):
+    return tiny_gpt_weights(BIG_CONFIG, vocab=8192)
+
+
+@pytest.mark.parametrize(
+    "options", [{}, {"tp_size": 2}, {"layout": "torch_dist"}], ids=["legacy", "tp2", "torch_dist"]
+)
+def test_peak_memory_while_loading(tmp_path, big_weights, options):
+    path = write_nemo(tmp_path / "big.nemo", BIG_CONFIG, big_weights, **options)
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, check=True
+    )
+    path.unlink()
+    measured = json.loads(result.stdout.strip().splitlines()[-1])
+    weights = measured["weights"]
+    assert weights >= 430 * MB
+    limit = 1.3 * weights + 300 * MB
+    assert measured["growth"] < limit, (
+        f"RSS grew {measured['growth'] / MB:.0f} MB loading {weights / MB:.0f} MB"
+    )
