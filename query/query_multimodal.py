@@ -1,0 +1,269 @@
+"""`NemoQueryMultimodal`: send prompts and media to a served multimodal model (NeMo's client, arguments)."""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import warnings
+from collections.abc import Sequence
+
+import numpy as np
+from PIL import Image
+from pytriton.client import ModelClient
+from pytriton.client.exceptions import (
+    PyTritonClientError,
+    PyTritonClientInferenceServerError,
+    PyTritonClientTimeoutError,
+)
+from pytriton.client.warnings import NotSupportedTimeoutWarning
+
+from deploy.triton_deployable import MODEL_TYPE_MODALITY, VIDEO_MODEL_TYPES
+from query import media as media_io
+
+DEFAULT_INFERENCE_TIMEOUT_S = 300.0
+
+# PyTriton warns on each client that gRPC ignores timeouts outside inference; those that matter still apply.
+warnings.filterwarnings("ignore", category=NotSupportedTimeoutWarning)
+
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): ", re.MULTILINE)
+_WRAPPER_ERRORS = {"TritonModelException", "InferenceServerException"}
+
+
+class QueryError(RuntimeError):
+    """The server refused or failed a request; `server_message` holds Triton's full text."""
+
+    def __init__(self, message: str, server_message: str = ""):
+        super().__init__(message)
+        self.server_message = server_message
+
+
+def server_error_summary(message: str) -> str:
+    """The model's own `XxxError: text` out of Triton's wrapped traceback, or the message as it is."""
+    message = message.split("\n\n\n\nAt:")[0]
+    matches = [m for m in _ERROR_LINE.finditer(message) if m.group(1) not in _WRAPPER_ERRORS]
+    if not matches:
+        return message.strip()
+    last = matches[-1]
+    return f"{last.group(1)}: {message[last.end() :].strip()}"
+
+
+def _as_list(value, single_types: tuple[type, ...]) -> list:
+    if value is None or isinstance(value, single_types):
+        return [value]
+    return list(value)
+
+
+class NemoQueryMultimodal:
+    """Sends queries to a multimodal model served by `DeployPyTriton`.
+
+    Example:
+        nq = NemoQueryMultimodal(url="localhost:8000", model_name="neva", model_type="neva")
+        print(nq.query(input_text="What is in this image?", input_media="cat.jpg", max_output_len=30))
+
+    Images go on the wire encoded (`input_media_bytes`); `raw_pixels=True` sends decoded pixels as
+    `input_media` (video frames; the waveform for salm) as NeMo's client did. One Triton client is opened on
+    the first query and kept; use one object per thread for concurrent queries.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        model_name: str,
+        model_type: str,
+        *,
+        raw_pixels: bool = False,
+        media_timeout_s: float = media_io.DEFAULT_TIMEOUT_S,
+        media_max_bytes: int = media_io.DEFAULT_MAX_BYTES,
+    ):
+        if model_type not in MODEL_TYPE_MODALITY:
+            raise ValueError(
+                f"unknown model_type {model_type!r}; choose one of {', '.join(MODEL_TYPE_MODALITY)}"
+            )
+        self.url = url
+        self.model_name = model_name
+        self.model_type = model_type
+        self.raw_pixels = raw_pixels
+        self._read_options = {"timeout_s": media_timeout_s, "max_bytes": media_max_bytes}
+        self._client = None
+        self._client_timeouts: tuple[float, float] | None = None
+        self._lock = threading.Lock()
+
+    def query(
+        self,
+        input_text: str | Sequence[str],
+        input_media=None,
+        batch_size: int = 1,
+        max_output_len: int = 30,
+        top_k: int = 1,
+        top_p: float = 0.0,
+        temperature: float = 1.0,
+        repetition_penalty: float = 1.0,
+        num_beams: int = 1,
+        init_timeout: float = 60.0,
+        lora_uids: Sequence[str] | None = None,
+        inference_timeout: float = DEFAULT_INFERENCE_TIMEOUT_S,
+    ) -> np.ndarray:
+        """Answers as a str array `[prompt][beam]`; text and media may be lists (one each, or one shared).
+
+        Raises QueryError with the server's message when the server fails the request.
+        """
+        texts = _as_list(input_text, (str,))
+        medias = _as_list(input_media, (str, os.PathLike, bytes, np.ndarray, Image.Image))
+        if any(not isinstance(text, str) for text in texts):
+            raise TypeError("input_text must be a str or a list of str")
+        media_rows = [self._media_inputs(media) for media in medias]
+        if len(media_rows) == 1 and len(texts) > 1:
+            media_rows *= len(texts)
+        elif len(texts) == 1 and len(media_rows) > 1:
+            texts *= len(media_rows)
+        elif len(texts) != len(media_rows):
+            raise ValueError(
+                f"got {len(texts)} prompts but {len(media_rows)} media; give one media or one each"
+            )
+        params = _param_inputs(
+            batch_size, max_output_len, top_k, num_beams, top_p, temperature, repetition_penalty, lora_uids
+        )
+        rows = [
+            {"input_text": np.array([text.encode("utf-8")], dtype=np.bytes_), **media_row, **params}
+            for text, media_row in zip(texts, media_rows, strict=True)
+        ]
+        with self._lock:
+            client = self._open_client(init_timeout, inference_timeout)
+            answers: list[np.ndarray | None] = [None] * len(rows)
+            for indices in _request_groups(rows, max(1, self._max_rows(client))):
+                outputs = self._infer(client, _stack([rows[i] for i in indices]), inference_timeout)
+                for index, output in zip(indices, outputs, strict=True):
+                    answers[index] = output
+        return np.array([[_decode(answer) for answer in row] for row in answers])
+
+    def close(self) -> None:
+        """Close the Triton client (a later query opens a new one)."""
+        with self._lock:
+            self._close_client()
+
+    def __enter__(self) -> NemoQueryMultimodal:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.close()
+
+    def _media_inputs(self, media) -> dict[str, np.ndarray]:
+        """One row's media tensors (without the batch axis)."""
+        if media is None:
+            return {}
+        options = self._read_options
+        if self.model_type == "salm":
+            if self.raw_pixels or isinstance(media, np.ndarray):
+                signal = media_io.audio_signal(media, **options)
+                return {
+                    "input_signal": signal,
+                    "input_signal_length": np.array([signal.shape[0]], dtype=np.int32),
+                }
+            return {
+                "input_media_bytes": np.array([media_io.read_media_bytes(media, **options)], dtype=object)
+            }
+        if self.model_type in VIDEO_MODEL_TYPES:
+            if self.raw_pixels or isinstance(media, np.ndarray):
+                frames = media_io.video_frames(media, **options)
+                if self.model_type in ("lita", "vita"):
+                    frames = media_io.subsample_frames(frames)
+                return {"input_media": frames}
+            return {
+                "input_media_bytes": np.array([media_io.read_media_bytes(media, **options)], dtype=object)
+            }
+        if self.raw_pixels:
+            return {"input_media": media_io.image_pixels(media, **options)[np.newaxis]}
+        return {"input_media_bytes": np.array([media_io.image_bytes(media, **options)], dtype=object)}
+
+    def _open_client(self, init_timeout: float, inference_timeout: float) -> ModelClient:
+        if self._client is not None and self._client_timeouts != (init_timeout, inference_timeout):
+            self._close_client()
+        if self._client is None:
+            self._client = ModelClient(
+                self.url, self.model_name, init_timeout_s=init_timeout, inference_timeout_s=inference_timeout
+            )
+            self._client_timeouts = (init_timeout, inference_timeout)
+        return self._client
+
+    def _close_client(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _max_rows(self, client: ModelClient) -> int:
+        try:
+            return client.model_config.max_batch_size
+        except PyTritonClientError as error:
+            self._close_client()
+            raise QueryError(
+                f"model {self.model_name!r} at {self.url} is not available: {error.message}", error.message
+            ) from None
+
+    def _infer(
+        self, client: ModelClient, inputs: dict[str, np.ndarray], inference_timeout: float
+    ) -> np.ndarray:
+        try:
+            return client.infer_batch(**inputs)["outputs"]
+        except PyTritonClientInferenceServerError as error:
+            message = server_error_summary(error.message)
+            raise QueryError(f"the server failed the request: {message}", error.message) from None
+        except PyTritonClientTimeoutError as error:
+            self._close_client()
+            raise QueryError(
+                f"no answer within {inference_timeout} s (inference_timeout)", error.message
+            ) from None
+        except PyTritonClientError as error:
+            self._close_client()
+            raise QueryError(f"the query failed: {error.message}", error.message) from None
+
+
+def _param_inputs(
+    batch_size, max_output_len, top_k, num_beams, top_p, temperature, repetition_penalty, lora_uids
+) -> dict[str, np.ndarray]:
+    """One row's generation-parameter tensors; None leaves a parameter to the model's default."""
+    ints = {
+        "batch_size": batch_size,
+        "max_output_len": max_output_len,
+        "top_k": top_k,
+        "num_beams": num_beams,
+    }
+    floats = {"top_p": top_p, "temperature": temperature, "repetition_penalty": repetition_penalty}
+    params = {name: np.array([value], dtype=np.int_) for name, value in ints.items() if value is not None}
+    params.update(
+        {name: np.array([value], dtype=np.float32) for name, value in floats.items() if value is not None}
+    )
+    if lora_uids:
+        params["lora_uids"] = np.array([uid.encode("utf-8") for uid in lora_uids], dtype=np.bytes_)
+    return params
+
+
+def _row_key(row: dict[str, np.ndarray]) -> tuple:
+    """Rows with equal keys share a request; raw pixels must also share their shape (signals get padded)."""
+    return tuple(
+        sorted((name, value.shape if name == "input_media" else None) for name, value in row.items())
+    )
+
+
+def _request_groups(rows: list[dict[str, np.ndarray]], max_rows: int) -> list[list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for index, row in enumerate(rows):
+        groups.setdefault(_row_key(row), []).append(index)
+    return [
+        indices[i : i + max_rows] for indices in groups.values() for i in range(0, len(indices), max_rows)
+    ]
+
+
+def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    stacked = {}
+    for name in rows[0]:
+        values = [row[name] for row in rows]
+        if name == "input_signal":
+            width = max(len(v) for v in values)
+            values = [np.pad(v, (0, width - len(v))) for v in values]
+        stacked[name] = np.stack(values)
+    return stacked
+
+
+def _decode(answer: object) -> str:
+    return (answer if isinstance(answer, bytes) else bytes(answer)).decode("utf-8", errors="replace")

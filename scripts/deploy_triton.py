@@ -1,0 +1,288 @@
+#!/usr/bin/env python
+"""Export a NeMo multimodal checkpoint and serve it on Triton, or serve an already exported model repository.
+
+NeMo's flags in long and short form; `--config <name or path>.yaml` sets any of them, and flags given on the
+command line override the config. With `--visual_checkpoint` the checkpoint is exported into
+`--triton_model_repository` and then served; without it the repository must hold an exported model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from deploy import DeployPyTriton
+from deploy.startup import DeployError, check_model_repository, check_port_free
+from deploy.triton_deployable import MODEL_TYPE_MODALITY, modality_of
+
+LOGGER = logging.getLogger("deploy_triton")
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+LLM_MODEL_TYPES = ("gptnext", "gpt", "llama", "falcon", "starcoder", "mixtral", "gemma")
+LORA_TARGET_MODULES = (
+    "attn_qkv",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_dense",
+    "mlp_h_to_4h",
+    "mlp_gate",
+    "mlp_4h_to_h",
+)
+
+# (short flag, long flag, type, choices, NeMo default, help). argparse itself defaults everything to None,
+# so a value from --config is overridden only by a flag actually given.
+OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
+    (
+        "-mod",
+        "--modality",
+        str,
+        ("vision", "audio"),
+        None,
+        "modality of the model (default: from --model_type)",
+    ),
+    ("-vc", "--visual_checkpoint", str, None, None, "source .nemo file of the multimodal model to export"),
+    ("-lc", "--llm_checkpoint", str, None, None, "source .nemo file of the LLM, if separate"),
+    ("-mt", "--model_type", str, tuple(MODEL_TYPE_MODALITY), None, "type of the model"),
+    ("-lmt", "--llm_model_type", str, LLM_MODEL_TYPES, "llama", "type of the LLM"),
+    ("-tmn", "--triton_model_name", str, None, None, "name clients query the model by (required)"),
+    ("-tmv", "--triton_model_version", int, None, 1, "version of the served model"),
+    ("-trp", "--triton_port", int, None, 8000, "HTTP port of the Triton server"),
+    ("-tha", "--triton_http_address", str, None, "0.0.0.0", "address the Triton server listens on"),
+    (
+        "-tmr",
+        "--triton_model_repository",
+        str,
+        None,
+        None,
+        "exported model directory (<tempdir>/trt_model_dir/)",
+    ),
+    ("-ng", "--num_gpus", int, None, 1, "number of GPUs (tensor parallel size)"),
+    ("-dt", "--dtype", str, ("bfloat16", "float16", "float32"), "bfloat16", "dtype of the exported model"),
+    ("-mil", "--max_input_len", int, None, 4096, "max input length in tokens"),
+    ("-mol", "--max_output_len", int, None, 256, "max output length in tokens"),
+    ("-mbs", "--max_batch_size", int, None, 1, "max prompts batched together"),
+    ("-mml", "--max_multimodal_len", int, None, 3072, "max number of media features in a batch"),
+    ("-vmb", "--vision_max_batch_size", int, None, 1, "max images (video frames) encoded at once"),
+    ("-ulp", "--use_lora_plugin", str, ("auto", "float16", "float32", "bfloat16"), None, "enable LoRA"),
+    ("-lcp", "--lora_checkpoint_path", str, None, None, "directory of the LoRA checkpoint"),
+    ("-mlr", "--max_lora_rank", int, None, 64, "max LoRA rank"),
+    (None, "--grpc_port", int, None, 8001, "gRPC port of the Triton server"),
+    (
+        None,
+        "--device",
+        str,
+        ("cpu", "cuda"),
+        None,
+        "device to run the model on (default: the exporter's choice)",
+    ),
+    (
+        None,
+        "--vision_tower_path",
+        str,
+        None,
+        None,
+        "local folder of the vision tower, if not in the checkpoint",
+    ),
+    (None, "--tokenizer_path", str, None, None, "local tokenizer, if not in the checkpoint"),
+    (None, "--openai_port", int, None, None, "port of an OpenAI-style HTTP front (not available yet)"),
+)
+OPTIONAL_VALUE = {"use_lora_plugin": "auto"}  # given alone, the flag takes this value
+FLAG_OPTIONS = ("streaming",)
+DEFAULTS = {long[2:]: default for _, long, _, _, default, _ in OPTIONS} | {"lora_target_modules": None}
+DEFAULTS |= {name: False for name in FLAG_OPTIONS}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", help="YAML of settings (a path, or a name in configs/ such as neva)")
+    for short, long, kind, choices, default, text in OPTIONS:
+        flags = [short, long] if short else [long]
+        shown = "" if default is None else f" (default: {default})"
+        extra = {"nargs": "?", "const": OPTIONAL_VALUE[long[2:]]} if long[2:] in OPTIONAL_VALUE else {}
+        parser.add_argument(*flags, type=kind, choices=choices, default=None, help=text + shown, **extra)
+    parser.add_argument(
+        "-ltm",
+        "--lora_target_modules",
+        nargs="+",
+        choices=LORA_TARGET_MODULES,
+        default=None,
+        help="modules that get LoRA (with --use_lora_plugin)",
+    )
+    parser.add_argument(
+        "--streaming",
+        action="store_true",
+        default=None,
+        help="stream tokens as generated (not available yet)",
+    )
+    return parser
+
+
+def load_config(name_or_path: str) -> dict:
+    """Settings from a YAML file given by path or by name in configs/; unknown keys are an error."""
+    path = Path(name_or_path)
+    if not path.is_file() and (CONFIG_DIR / f"{name_or_path}.yaml").is_file():
+        path = CONFIG_DIR / f"{name_or_path}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.yaml")))
+        raise ValueError(f"config {name_or_path} not found; give a YAML path or one of: {known}")
+    values = OmegaConf.to_container(OmegaConf.load(path), resolve=True) or {}
+    if not isinstance(values, dict):
+        raise ValueError(f"config {path} must be a mapping of settings")
+    unknown = sorted(set(values) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(
+            f"config {path} has unknown settings {unknown}; valid ones: {', '.join(sorted(DEFAULTS))}"
+        )
+    return values
+
+
+def parse_settings(argv: list[str] | None = None) -> argparse.Namespace:
+    """Settings from NeMo's defaults, then --config, then the flags given; validated."""
+    given = vars(build_parser().parse_args(argv))
+    config_name = given.pop("config")
+    settings = dict(DEFAULTS)
+    if config_name:
+        settings.update(load_config(config_name))
+    settings.update({name: value for name, value in given.items() if value is not None})
+    _validate(settings)
+    return argparse.Namespace(**settings)
+
+
+def _validate(settings: dict) -> None:
+    for _, long, kind, choices, _, _ in OPTIONS:
+        value = settings[long[2:]]
+        if value is not None and choices and value not in choices:
+            raise ValueError(f"{long} {value!r} is not one of {', '.join(choices)}")
+        if value is not None and not isinstance(value, kind):
+            raise ValueError(f"{long} must be {kind.__name__}, got {value!r}")
+    for value in settings["lora_target_modules"] or ():
+        if value not in LORA_TARGET_MODULES:
+            raise ValueError(
+                f"--lora_target_modules {value!r} is not one of {', '.join(LORA_TARGET_MODULES)}"
+            )
+    if not settings["triton_model_name"]:
+        raise ValueError(
+            "no model name: give -tmn/--triton_model_name or set triton_model_name in the config"
+        )
+    if settings["visual_checkpoint"] and not settings["model_type"]:
+        raise ValueError("exporting a checkpoint needs -mt/--model_type")
+    if settings["model_type"]:
+        expected = modality_of(settings["model_type"])
+        if settings["modality"] not in (None, expected):
+            raise ValueError(
+                f"--model_type {settings['model_type']} takes --modality {expected}, "
+                f"not {settings['modality']}"
+            )
+        settings["modality"] = expected
+    settings["modality"] = settings["modality"] or "vision"
+    if settings["streaming"]:
+        raise ValueError("--streaming is not available yet; serve without it")
+    if settings["openai_port"] is not None:
+        raise ValueError("--openai_port is not available yet; query through Triton (HTTP or gRPC)")
+    if settings["triton_model_repository"] is None:
+        settings["triton_model_repository"] = str(Path(tempfile.gettempdir()) / "trt_model_dir")
+
+
+def build_deployable(settings: argparse.Namespace):
+    """The exporter loaded from the repository, or after exporting the checkpoint into it."""
+    exporting = settings.visual_checkpoint is not None
+    repository = Path(settings.triton_model_repository)
+    if exporting:
+        repository.mkdir(parents=True, exist_ok=True)
+    else:
+        check_model_repository(repository)
+    try:
+        from exporter import TensorRTMMExporter
+    except ImportError as error:
+        raise DeployError(f"the exporter cannot be imported ({error}); check the installation") from error
+    extra = {"device": settings.device} if settings.device else {}
+    step = "loading the model repository"
+    try:
+        exporter = TensorRTMMExporter(
+            model_dir=str(repository), load_model=not exporting, modality=settings.modality, **extra
+        )
+        if exporting:
+            step = "the export"
+            LOGGER.info("exporting %s into %s", settings.visual_checkpoint, repository)
+            exporter.export(**_export_arguments(settings))
+    except (OSError, ValueError, RuntimeError, _checkpoint_error()) as error:
+        raise DeployError(f"{step} failed: {type(error).__name__}: {error}") from error
+    return exporter
+
+
+def _export_arguments(settings: argparse.Namespace) -> dict:
+    """`TensorRTMMExporter.export` arguments: NeMo's, plus the local tower/tokenizer paths when given."""
+    arguments = {
+        "visual_checkpoint_path": settings.visual_checkpoint,
+        "llm_checkpoint_path": settings.llm_checkpoint,
+        "model_type": settings.model_type,
+        "llm_model_type": settings.llm_model_type,
+        "tensor_parallel_size": settings.num_gpus,
+        "max_input_len": settings.max_input_len,
+        "max_output_len": settings.max_output_len,
+        "vision_max_batch_size": settings.vision_max_batch_size,
+        "max_batch_size": settings.max_batch_size,
+        "max_multimodal_len": settings.max_multimodal_len,
+        "dtype": settings.dtype,
+        "use_lora_plugin": settings.use_lora_plugin,
+        "lora_target_modules": settings.lora_target_modules,
+        "max_lora_rank": settings.max_lora_rank,
+        "lora_checkpoint_path": settings.lora_checkpoint_path,
+    }
+    for name in ("vision_tower_path", "tokenizer_path"):
+        if getattr(settings, name) is not None:
+            arguments[name] = getattr(settings, name)
+    return arguments
+
+
+def _checkpoint_error() -> type[Exception]:
+    """The exporter's error class for a bad .nemo (OSError, caught anyway, if the exporter has none)."""
+    try:
+        from exporter.checkpoint import NemoCheckpointError
+    except ImportError:
+        return OSError
+    return NemoCheckpointError
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the script; returns the exit status (0 after a clean stop, 1 on an error explained on stderr)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        settings = parse_settings(argv)
+        address = settings.triton_http_address
+        check_port_free(address, settings.triton_port, "HTTP", "--triton_port (-trp)")
+        check_port_free(address, settings.grpc_port, "gRPC", "--grpc_port")
+        deployer = DeployPyTriton(
+            model=build_deployable(settings),
+            triton_model_name=settings.triton_model_name,
+            triton_model_version=settings.triton_model_version,
+            max_batch_size=settings.max_batch_size,
+            http_port=settings.triton_port,
+            grpc_port=settings.grpc_port,
+            address=address,
+        )
+        deployer.deploy()
+    except (DeployError, ValueError) as error:
+        print(f"deploy_triton.py: error: {error}", file=sys.stderr)
+        return 1
+    LOGGER.info(
+        "serving %s on %s (HTTP %d, gRPC %d)",
+        settings.triton_model_name,
+        address,
+        settings.triton_port,
+        settings.grpc_port,
+    )
+    deployer.serve()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

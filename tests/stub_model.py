@@ -1,0 +1,107 @@
+"""A deterministic stand-in for the exported model, to test the serving layer without weights.
+
+Each row is answered with its prompt, a digest of its media and its generation parameters, so a test can tell
+every request's answer apart. Bad input raises ValueError, as the real model does.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from deploy.triton_deployable import (
+    ITritonDeployable,
+    RequestRow,
+    encode_outputs,
+    multimodal_triton_inputs,
+    multimodal_triton_outputs,
+    split_request,
+)
+
+
+def describe_pixels(pixels: np.ndarray) -> str:
+    """`mean=R,G,B|size=WxH|frames=N` of a `[H,W,3]` or `[N,H,W,3]` uint8 array."""
+    frames = pixels if pixels.ndim == 4 else pixels[np.newaxis]
+    mean = frames.reshape(-1, 3).mean(axis=0).round().astype(int)
+    count, height, width = frames.shape[:3]
+    return f"mean={mean[0]},{mean[1]},{mean[2]}|size={width}x{height}|frames={count}"
+
+
+def expected_answer(text: str, media: str, beam: int = 0, **params: float) -> str:
+    """The answer the stub gives: prompt, media digest, parameters (defaults filled), beam index."""
+    full = {"max_output_len": 30, "top_k": 1, "top_p": 0.0, "temperature": 1.0, "repetition_penalty": 1.0}
+    full.update(params)
+    shown = "|".join(f"{name}={full[name]:g}" for name in sorted(full))
+    return f"{text}|{media}|{shown}|beam={beam}"
+
+
+class StubMultimodalModel(ITritonDeployable):
+    """Answers deterministically; `batches` records the prompts of every batch the server handed over."""
+
+    def __init__(self, model_dir=None, load_model=True, modality: str = "vision", delay_s: float = 0.0, **_):
+        self.modality = modality
+        self.delay_s = delay_s
+        self.batches: list[list[str]] = []
+
+    @property
+    def get_triton_input(self):
+        return multimodal_triton_inputs(self.modality)
+
+    @property
+    def get_triton_output(self):
+        return multimodal_triton_outputs()
+
+    def triton_infer_fn(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+        return encode_outputs([self._answer_row(row) for row in split_request(inputs)])
+
+    def triton_infer_requests(self, requests: Sequence[dict[str, np.ndarray]]):
+        self.batches.append([_prompt(request) for request in requests])
+        time.sleep(self.delay_s)
+        results: list = []
+        for request in requests:
+            try:
+                results.append(self.triton_infer_fn(**request))
+            except Exception as error:  # noqa: BLE001 - each request fails alone
+                results.append(error)
+        return results
+
+    def _answer_row(self, row: RequestRow) -> list[str]:
+        params = row.params
+        if params.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {params.temperature}")
+        media = self._describe_media(row)
+        names = ("max_output_len", "top_k", "top_p", "temperature", "repetition_penalty")
+        values = {name: getattr(params, name) for name in names}
+        lora = f"|lora={','.join(params.lora_uids)}" if params.lora_uids else ""
+        return [expected_answer(row.text, media, beam, **values) + lora for beam in range(params.num_beams)]
+
+    def _describe_media(self, row: RequestRow) -> str:
+        if row.media is not None:
+            return describe_pixels(row.media)
+        if row.signal is not None:
+            return f"samples={row.signal.shape[0]}"
+        if row.media_bytes is None:
+            return "no-media"
+        if self.modality == "audio":
+            import soundfile
+
+            try:
+                signal, _ = soundfile.read(io.BytesIO(row.media_bytes), dtype="float32")
+            except (RuntimeError, TypeError) as error:
+                raise ValueError(f"input_media_bytes is not a decodable audio file ({error})") from None
+            return f"samples={signal.shape[0]}"
+        from PIL import Image
+
+        try:
+            image = Image.open(io.BytesIO(row.media_bytes)).convert("RGB")
+        except (OSError, ValueError) as error:
+            raise ValueError(f"input_media_bytes is not a decodable image ({type(error).__name__})") from None
+        return describe_pixels(np.asarray(image))
+
+
+def _prompt(request: dict[str, np.ndarray]) -> str:
+    texts = request.get("input_text")
+    return "" if texts is None else bytes(texts.reshape(-1)[0]).decode("utf-8", errors="replace")

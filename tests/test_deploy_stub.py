@@ -1,0 +1,442 @@
+"""The serving layer with a stub model on a real PyTriton server (loopback, free ports, HTTP and gRPC)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from pytriton.client import ModelClient
+from pytriton.client.exceptions import PyTritonClientInferenceServerError
+from stub_model import StubMultimodalModel, describe_pixels, expected_answer
+
+from deploy import DeployError, DeployPyTriton, PortInUseError, RequestBatcher
+from deploy.startup import free_port
+from query import NemoQueryMultimodal, QueryError
+
+REPO = Path(__file__).resolve().parent.parent
+MODEL = "stub"
+BATCH_WINDOW_US = 300_000  # wide enough that concurrent requests share a batch on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def server():
+    model = StubMultimodalModel(delay_s=0.05)
+    http_port, grpc_port = free_port(), free_port()
+    deployer = DeployPyTriton(
+        model,
+        MODEL,
+        max_batch_size=8,
+        http_port=http_port,
+        grpc_port=grpc_port,
+        address="127.0.0.1",
+        max_queue_delay_microseconds=BATCH_WINDOW_US,
+    )
+    deployer.deploy()
+    try:
+        deployer.run()
+        yield model, f"127.0.0.1:{http_port}", f"grpc://127.0.0.1:{grpc_port}", deployer
+    finally:
+        deployer.stop()
+
+
+def _image(k: int) -> np.ndarray:
+    return np.full((6 + k, 9, 3), (10 * k, 200 - 10 * k, 7 * k), dtype=np.uint8)
+
+
+def _params(k: int) -> dict:
+    return {
+        "max_output_len": 10 + k,
+        "top_k": k + 1,
+        "top_p": k / 10,
+        "temperature": 0.5 + k,
+        "num_beams": 1 + k % 2,
+    }
+
+
+def _query_concurrently(server, jobs) -> list:
+    """Run `jobs` (prompt, media, params) at once, half over HTTP, half over gRPC; answers or errors."""
+    _, http_url, grpc_url, _ = server
+    start = threading.Barrier(len(jobs))
+
+    def run(index: int):
+        prompt, media, params = jobs[index]
+        with NemoQueryMultimodal(http_url if index % 2 else grpc_url, MODEL, "neva") as client:
+            start.wait(timeout=30)
+            try:
+                return client.query(prompt, media, init_timeout=30, inference_timeout=30, **params)
+            except QueryError as error:
+                return error
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(run, range(len(jobs)), timeout=60))
+
+
+def _batch_of(model: StubMultimodalModel, prompt: str) -> list[str]:
+    return next(batch for batch in model.batches if prompt in batch)
+
+
+def test_model_is_warmed_up_and_configured(server):
+    model, http_url, _, _ = server
+    assert model.batches[0] == ["Describe this."]  # the warm-up ran before Triton loaded the model
+    with urllib.request.urlopen(f"http://{http_url}/v2/models/{MODEL}/config", timeout=10) as response:
+        config = json.load(response)
+    assert config["max_batch_size"] == 8
+    assert sum(group["count"] for group in config["instance_group"]) == 8
+    assert "dynamic_batching" not in config  # each instance takes one request; batching happens in-process
+    inputs = {tensor["name"]: tensor for tensor in config["input"]}
+    assert inputs["input_media_bytes"]["optional"] and inputs["input_media"]["dims"] == [-1, -1, -1, 3]
+
+
+def test_concurrent_requests_each_get_their_own_answer(server):
+    model = server[0]
+    jobs = [(f"prompt-{k}", _image(k), _params(k)) for k in range(8)]
+    answers = _query_concurrently(server, jobs)
+    for k, answer in enumerate(answers):
+        params = _params(k)
+        beams = params.pop("num_beams")
+        expected = [
+            expected_answer(f"prompt-{k}", describe_pixels(_image(k)), b, **params) for b in range(beams)
+        ]
+        assert answer.tolist() == [expected]
+    assert max(len(_batch_of(model, f"prompt-{k}")) for k in range(8)) > 1, (
+        "no requests were batched together"
+    )
+
+
+def test_bad_request_fails_alone_inside_a_batch(server):
+    model = server[0]
+    jobs = [(f"batch-{k}", _image(k), {"temperature": 0.0 if k == 3 else 1.0}) for k in range(8)]
+    answers = _query_concurrently(server, jobs)
+    assert isinstance(answers[3], QueryError)
+    assert str(answers[3]) == "the server failed the request: ValueError: temperature must be > 0, got 0.0"
+    for k, answer in enumerate(answers):
+        if k != 3:
+            assert answer.tolist() == [[expected_answer(f"batch-{k}", describe_pixels(_image(k)))]]
+    assert len(_batch_of(model, "batch-3")) > 1, "the bad request was not batched with others"
+
+
+def test_undecodable_media_fails_over_grpc_and_server_keeps_serving(server):
+    _, http_url, grpc_url, deployer = server
+    broken = {
+        "input_text": np.array([[b"x"]]),
+        "input_media_bytes": np.array([[b"\x89PNG broken"]], dtype=object),
+    }
+    with (
+        ModelClient(grpc_url, MODEL, init_timeout_s=30) as client,
+        pytest.raises(PyTritonClientInferenceServerError, match="input_media_bytes is not a decodable image"),
+    ):
+        client.infer_batch(**broken)
+    with NemoQueryMultimodal(http_url, MODEL, "neva", raw_pixels=True) as client:
+        answer = client.query(["after-a", "after-b"], _image(1), lora_uids=["task7"])
+    expected = expected_answer("after-a", describe_pixels(_image(1))) + "|lora=task7"
+    assert answer.shape == (2, 1) and answer[0, 0] == expected
+    assert deployer.triton.is_alive()
+
+
+def test_http_error_status_for_a_failed_request(server):
+    http_url = server[1]
+    body = {
+        "inputs": [
+            {"name": "input_text", "shape": [1, 1], "datatype": "BYTES", "data": ["hi"]},
+            {"name": "temperature", "shape": [1, 1], "datatype": "FP32", "data": [-1.0]},
+        ]
+    }
+    request = urllib.request.Request(
+        f"http://{http_url}/v2/models/{MODEL}/infer", data=json.dumps(body).encode(), method="POST"
+    )
+    with pytest.raises(urllib.error.HTTPError) as failure:
+        urllib.request.urlopen(request, timeout=30)
+    assert failure.value.code == 500  # Triton reports a model's exception as an internal error
+    assert "temperature must be > 0, got -1.0" in json.loads(failure.value.read())["error"]
+
+
+def test_port_in_use_is_reported_before_start():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        deployer = DeployPyTriton(
+            StubMultimodalModel(), MODEL, http_port=port, grpc_port=free_port(), address="127.0.0.1"
+        )
+        with pytest.raises(
+            PortInUseError, match=f"HTTP port {port} on 127.0.0.1 is already in use.*--triton_port"
+        ):
+            deployer.deploy()
+        deployer = DeployPyTriton(
+            StubMultimodalModel(), MODEL, http_port=free_port(), grpc_port=port, address="127.0.0.1"
+        )
+        with pytest.raises(PortInUseError, match=f"gRPC port {port}.*--grpc_port"):
+            deployer.deploy()
+    assert deployer.triton is None
+
+
+def test_failing_warm_up_stops_the_deployment():
+    class BrokenModel(StubMultimodalModel):
+        def triton_warmup_request(self):
+            return {"input_text": np.array([[b"x"]]), "temperature": np.array([[0.0]], dtype=np.float32)}
+
+    deployer = DeployPyTriton(
+        BrokenModel(), MODEL, http_port=free_port(), grpc_port=free_port(), address="127.0.0.1"
+    )
+    with pytest.raises(DeployError, match="warm-up request failed.*temperature must be > 0"):
+        deployer.deploy()
+    assert deployer.triton is None
+
+
+def test_streaming_is_not_available_yet():
+    with pytest.raises(NotImplementedError, match="streaming"):
+        DeployPyTriton(StubMultimodalModel(), MODEL, streaming=True)
+
+
+class _FakeTriton:
+    """Stands in for pytriton's Triton; `run` fails with `errors` in turn, then succeeds."""
+
+    created: list = []
+    errors: list[str] = []
+
+    def __init__(self, config):
+        self.config, self.stopped = config, False
+        _FakeTriton.created.append(self)
+
+    def bind(self, **binding):
+        self.binding = binding
+
+    def run(self):
+        if _FakeTriton.errors:
+            raise RuntimeError(_FakeTriton.errors.pop(0))
+
+    def stop(self):
+        self.stopped = True
+
+
+@pytest.mark.parametrize(
+    ("errors", "expected_starts"),
+    [(["load failed: ... in get_config_from_handshake_server ... Connection refused"], 2), (["disk full"], 1)],
+)
+def test_start_retries_only_pytriton_handshake_race(monkeypatch, errors, expected_starts):
+    import deploy.deploy_pytriton as module
+
+    monkeypatch.setattr(module, "Triton", _FakeTriton)
+    monkeypatch.setattr(_FakeTriton, "created", [])
+    monkeypatch.setattr(_FakeTriton, "errors", list(errors))
+    deployer = DeployPyTriton(
+        StubMultimodalModel(), MODEL, max_batch_size=2, http_port=free_port(), grpc_port=free_port()
+    )
+    deployer.deploy()
+    try:
+        if expected_starts == 1:
+            with pytest.raises(RuntimeError, match="disk full"):
+                deployer.run()
+        else:
+            deployer.run()
+    finally:
+        deployer.stop()
+    assert len(_FakeTriton.created) == expected_starts
+    assert all(triton.stopped for triton in _FakeTriton.created)
+    assert len(_FakeTriton.created[-1].binding["infer_func"]) == 2
+    assert _FakeTriton.created[-1].binding["config"].batcher is None
+
+
+def test_request_batcher_batches_by_rows_and_isolates_failures():
+    seen = []
+
+    def infer(requests):
+        seen.append([int(r["input_text"].shape[0]) for r in requests])
+        return [
+            ValueError("bad") if r["input_text"][0, 0] == b"bad" else {"outputs": r["input_text"]}
+            for r in requests
+        ]
+
+    batcher = RequestBatcher(infer, max_batch_size=3, max_queue_delay_s=0.2)
+    try:
+        texts = [[b"a", b"b"], [b"bad"], [b"c"], [b"d"]]
+        futures = [batcher.submit({"input_text": np.array([[t] for t in rows])}) for rows in texts]
+        assert futures[0].result(timeout=10)["outputs"].ravel().tolist() == [b"a", b"b"]
+        with pytest.raises(ValueError, match="bad"):
+            futures[1].result(timeout=10)
+        assert futures[3].result(timeout=10)["outputs"].ravel().tolist() == [b"d"]
+    finally:
+        batcher.stop()
+    assert seen == [[2, 1], [1, 1]]  # never more than 3 rows in a batch
+
+
+def _write_fake_exporter(root: Path) -> None:
+    """An `exporter` package whose TensorRTMMExporter is the stub, shadowing the real one for the script."""
+    package = root / "exporter"
+    package.mkdir()
+    (package / "__init__.py").write_text("from stub_model import StubMultimodalModel as TensorRTMMExporter\n")
+
+
+def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 90) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"deploy_triton.py exited early:\n{process.stderr.read()}")
+        try:
+            with urllib.request.urlopen(f"http://{url}/v2/models/{MODEL}/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("deploy_triton.py did not become ready")
+
+
+def test_scripts_serve_and_query_from_plain_python(tmp_path):
+    """deploy_triton.py run with LD_LIBRARY_PATH unset serves (the libpython fix); query.py prints answers."""
+    _write_fake_exporter(tmp_path)
+    repository = tmp_path / "repo"
+    repository.mkdir()
+    (repository / "manifest.json").write_text("{}")
+    image = tmp_path / "image.png"
+    Image.fromarray(_image(2)).save(image)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONPATH")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO / "tests")])
+    http_port, grpc_port = free_port(), free_port()
+    command = [
+        sys.executable,
+        str(REPO / "scripts/deploy_triton.py"),
+        "-tmn",
+        MODEL,
+        "-tmr",
+        str(repository),
+        "-trp",
+        str(http_port),
+        "--grpc_port",
+        str(grpc_port),
+        "-tha",
+        "127.0.0.1",
+        "-mbs",
+        "1",
+    ]
+    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_ready(f"127.0.0.1:{http_port}", server)
+        query = [
+            sys.executable,
+            str(REPO / "scripts/query.py"),
+            "-u",
+            f"127.0.0.1:{http_port}",
+            "-mn",
+            MODEL,
+            "-mt",
+            "neva",
+            "-int",
+            "hello",
+            "-im",
+            str(image),
+            "-mol",
+            "12",
+            "-nb",
+            "2",
+        ]
+        done = subprocess.run(query, env=env, capture_output=True, text=True, timeout=60, check=False)
+        media = describe_pixels(_image(2))
+        expected = [expected_answer("hello", media, b, max_output_len=12) for b in range(2)]
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.splitlines() == expected
+        failed = subprocess.run(
+            query + ["-t", "0"], env=env, capture_output=True, text=True, timeout=60, check=False
+        )
+        assert failed.returncode == 1
+        assert "error: the server failed the request: ValueError: temperature must be > 0" in failed.stderr
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        finally:
+            if server.poll() is None:
+                server.kill()
+    assert server.returncode == 0
+
+
+def test_script_refuses_a_missing_repository(tmp_path, capsys):
+    deploy_triton = _deploy_script()
+    port_flags = ["-trp", str(free_port()), "--grpc_port", str(free_port()), "-tha", "127.0.0.1"]
+    assert deploy_triton.main(["-tmn", MODEL, "-tmr", str(tmp_path / "absent"), *port_flags]) == 1
+    assert "does not exist" in capsys.readouterr().err
+    assert deploy_triton.main(["-tmn", MODEL, "-tmr", str(tmp_path), *port_flags]) == 1
+    assert f"{tmp_path} has no manifest.json" in capsys.readouterr().err
+
+
+def _deploy_script():
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        import deploy_triton
+    finally:
+        sys.path.pop(0)
+    return deploy_triton
+
+
+def test_deploy_script_flags_config_and_overrides(tmp_path):
+    script = _deploy_script()
+    short = script.parse_settings(
+        ["-tmn", "m", "-mt", "salm", "-mbs", "3", "-trp", "9000", "-ltm", "attn_qkv", "-ulp"]
+    )
+    long = script.parse_settings(
+        [
+            "--triton_model_name",
+            "m",
+            "--model_type",
+            "salm",
+            "--max_batch_size",
+            "3",
+            "--triton_port",
+            "9000",
+            "--lora_target_modules",
+            "attn_qkv",
+            "--use_lora_plugin",
+        ]
+    )
+    assert vars(short) == vars(long)
+    assert (short.modality, short.max_batch_size, short.triton_port, short.use_lora_plugin) == (
+        "audio",
+        3,
+        9000,
+        "auto",
+    )
+    assert (short.max_input_len, short.llm_model_type, short.grpc_port) == (
+        4096,
+        "llama",
+        8001,
+    )  # NeMo defaults
+    assert short.triton_model_repository.endswith("trt_model_dir")
+
+    from_config = script.parse_settings(
+        ["--config", "neva", "-mbs", "2"]
+    )  # a config name, and a flag over it
+    assert (from_config.triton_model_name, from_config.max_batch_size, from_config.max_multimodal_len) == (
+        "neva",
+        2,
+        3072,
+    )
+    config = tmp_path / "mine.yaml"
+    config.write_text("triton_model_name: mine\nmax_output_len: 17\n")
+    assert script.parse_settings(["--config", str(config)]).max_output_len == 17
+
+    for argv, message in [
+        (["-tmn", "m", "-mt", "salm", "-mod", "vision"], "takes --modality audio"),
+        (["-mt", "neva"], "no model name"),
+        (["-tmn", "m", "-vc", "x.nemo"], "needs -mt/--model_type"),
+        (["-tmn", "m", "--streaming"], "not available yet"),
+        (["--config", "no_such_config"], "not found"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            script.parse_settings(argv)
+    config.write_text("max_batch_sizes: 4\n")
+    with pytest.raises(ValueError, match="unknown settings \\['max_batch_sizes'\\]"):
+        script.parse_settings(["--config", str(config)])
+    with pytest.raises(SystemExit):
+        script.parse_settings(["-tmn", "m", "-mt", "llava"])
