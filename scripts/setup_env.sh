@@ -6,7 +6,10 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip
+log=$(mktemp)
+quiet() { "$@" >"$log" 2>&1 || { cat "$log" >&2; exit 1; }; }
+quiet python -m pip install --upgrade pip
 # Install torch first, pinned, so that pip never resolves a different (CUDA) build on its own.
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-python -m pip install -q -e ".[test]"
+python -c "import torch" 2>/dev/null || quiet python -m pip install "torch==${TORCH_VERSION:-2.13.0}"
+quiet python -m pip install -e ".[test]"
+rm -f "$log"
