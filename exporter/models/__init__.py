@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 from .base import ModelType, MultimodalInputError, Perception, PromptLayout
+from .lita import LitaModel
 from .neva import ImageModel
+from .video_neva import VideoNevaModel
 
 MODEL_TYPES: dict[str, ModelType] = {
     "neva": ImageModel("neva"),
     "vila": ImageModel("vila"),
+    "video-neva": VideoNevaModel("video-neva"),
+    "lita": LitaModel("lita"),
+    "vita": LitaModel("vita"),
 }
 
 

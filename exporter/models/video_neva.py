@@ -1,0 +1,176 @@
+"""Video-NeVA: NeVA over a fixed number of video frames, every frame's features frame-major at ``<video>``.
+
+Training semantics (NeMo ``neva_dataset`` / ``MegatronNevaModel``):
+- frames: ``data.num_frames`` evenly spaced ones (truncated ``linspace``), the last repeated when the video is
+  shorter, or the single frame ``data.splice_single_frame`` names; each frame gets the tower's image preprocessing;
+- features: per frame ``hidden_states[vision_select_layer]`` minus the class token (``patch``), then the projector;
+  the video's block is ``[frames * tokens_per_frame, H]`` in frame-major order;
+- prompt: the checkpoint's template (``data.conv_template``: nvgpt / nv_steerlm); training replaced ``<video>``
+  (``<image>`` in the user's text is taken as the same placeholder); with ``use_im_start_end`` the block sits
+  between ``<extra_id_4>`` and ``<extra_id_5>``.
+
+``VideoPerception`` is the runtime half shared with LITA/VITA (``exporter.models.lita``).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import abstractmethod
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..llm.tokenizer import Tokenizer
+from ..perception.image_preprocess import ImagePreprocessor
+from ..perception.video import SPLICE_SINGLE_FRAME, VideoLimits, read_frames, video_neva_indices
+from ..perception.vision_encoder import VisionEncoder
+from .base import MultimodalInputError, PromptLayout
+from .neva import ImageModel, ImagePerception
+from .templates import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, ChatTemplate
+
+Piece = list[int] | torch.Tensor
+
+
+def write_config_section(directory: Path, section: str, values: dict[str, Any]) -> None:
+    """Add ``section`` to the perception ``config.json`` that ``ImageModel.save_perception`` wrote."""
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config[section] = values
+    path.write_text(json.dumps(config, indent=2))
+
+
+def read_config_section(directory: Path, section: str) -> dict[str, Any]:
+    """One section of the perception ``config.json`` (an engine exported for another type lacks it)."""
+    config = json.loads((directory / "config.json").read_text())
+    if section not in config:
+        raise ValueError(f"{directory}/config.json has no {section!r} section; export the checkpoint again "
+                         f"with the right model_type")
+    return config[section]
+
+
+class VideoPerception(ImagePerception):
+    """Runtime of the video types: one video (or image, a one-frame video) per request → sampled frames →
+    per-frame pixels → per-frame features ``[k, N, H]`` → the type's feature block, placed at ``<video>``."""
+
+    def __init__(self, encoder: VisionEncoder, preprocessor: ImagePreprocessor, use_im_start_end: bool = False,
+                 limits: VideoLimits | None = None, max_encoder_batch: int = 16):
+        super().__init__(encoder, preprocessor, use_im_start_end, max_encoder_batch)
+        self.limits = limits or VideoLimits()
+
+    @abstractmethod
+    def frame_indices(self, length: int) -> list[int]:
+        """Indices of the frames to encode, given the video's frame count."""
+
+    @abstractmethod
+    def features_from_frames(self, frames: torch.Tensor) -> torch.Tensor:
+        """The video's feature block ``[n, H]`` from its per-frame features ``[k, N, H]``."""
+
+    def media_pieces(self, block: torch.Tensor, tokenizer: Tokenizer) -> list[Piece]:
+        """What replaces one ``<video>``: the block, framed by the image start/end tokens when trained so."""
+        return self._framed(block, tokenizer)
+
+    def load_media(self, media: Any) -> list[torch.Tensor]:
+        items = list(media) if isinstance(media, (list, tuple)) else [media]
+        items = [item for item in items if item is not None]
+        if len(items) > 1:
+            raise MultimodalInputError(f"send one video per request, got {len(items)} media items")
+        return [self._pixels(item) for item in items]
+
+    def _pixels(self, source: Any) -> torch.Tensor:
+        frames = read_frames(source, self.frame_indices, self.limits)
+        return torch.stack([self.preprocessor.preprocess_one(frame) for frame in frames])
+
+    def encode(self, items: list[torch.Tensor]) -> list[torch.Tensor]:
+        frame_features = super().encode([frame for video in items for frame in video])
+        blocks, start = [], 0
+        for video in items:
+            blocks.append(self.features_from_frames(torch.stack(frame_features[start:start + len(video)])))
+            start += len(video)
+        return blocks
+
+    def layout(self, text: str, features: list[torch.Tensor], tokenizer: Tokenizer, template: ChatTemplate,
+               apply_chat_template: bool) -> PromptLayout:
+        text = text.replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)
+        prompt = template.render(text, VIDEO_PLACEHOLDER if features else "") if apply_chat_template else text
+        parts = prompt.split(VIDEO_PLACEHOLDER)
+        if len(parts) - 1 != len(features):
+            raise MultimodalInputError(
+                f"the prompt has {len(parts) - 1} {VIDEO_PLACEHOLDER} (or {IMAGE_PLACEHOLDER}) placeholder(s) but "
+                f"the request carries {len(features)} video(s); put one {VIDEO_PLACEHOLDER} in the text for the "
+                "video, or none to have the chat template put it first"
+            )
+        pieces: list[Piece] = []
+        add_bos = apply_chat_template and template.add_bos
+        for index, part in enumerate(parts):
+            ids = tokenizer.encode(part, add_bos=add_bos and index == 0) if (part or add_bos) else []
+            if ids:
+                pieces.append(ids)
+            if index < len(features):
+                pieces.extend(self.media_pieces(features[index], tokenizer))
+        return PromptLayout(pieces)
+
+
+class VideoNevaPerception(VideoPerception):
+    """Video-NeVA runtime: ``num_frames`` frames (or one spliced frame), features frame-major."""
+
+    def __init__(self, encoder: VisionEncoder, preprocessor: ImagePreprocessor, use_im_start_end: bool,
+                 limits: VideoLimits | None, *, num_frames: int, splice_single_frame: str | None = None):
+        super().__init__(encoder, preprocessor, use_im_start_end, limits)
+        self.num_frames = num_frames
+        self.splice_single_frame = splice_single_frame
+
+    @property
+    def frames_per_video(self) -> int:
+        return 1 if self.splice_single_frame else self.num_frames
+
+    @property
+    def features_per_item(self) -> int:
+        return self.frames_per_video * self.encoder.tokens_per_image
+
+    def frame_indices(self, length: int) -> list[int]:
+        return video_neva_indices(length, self.num_frames, self.splice_single_frame)
+
+    def features_from_frames(self, frames: torch.Tensor) -> torch.Tensor:
+        return frames.reshape(-1, frames.shape[-1])
+
+
+def video_neva_settings(model_config: Any) -> dict[str, Any]:
+    """``data.num_frames`` and ``data.splice_single_frame`` of a Video-NeVA config, checked."""
+    data = model_config.get("data") or {}
+    splice = data.get("splice_single_frame") or None
+    if splice is not None and splice not in SPLICE_SINGLE_FRAME:
+        raise ValueError(f"data.splice_single_frame {splice!r} is not one of {', '.join(SPLICE_SINGLE_FRAME)}")
+    num_frames = data.get("num_frames")
+    if splice is None and (num_frames is None or int(num_frames) < 1):
+        raise ValueError(
+            f"Video-NeVA needs a fixed frame count but data.num_frames is {num_frames} (-1 means every frame); "
+            "set data.num_frames to the count the model was trained with (NeMo's default is 8)"
+        )
+    return {"num_frames": int(num_frames) if num_frames is not None else 1, "splice_single_frame": splice}
+
+
+class VideoNevaModel(ImageModel):
+    """Export/load half of Video-NeVA: Neva's encoder and files plus the frame settings."""
+
+    def __init__(self, name: str = "video-neva"):
+        super().__init__(name)
+
+    def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                         vision_tower_path: str | None) -> VisionEncoder:
+        video_neva_settings(model_config)
+        return super().build_perception(model_config, state_dict, dtype=dtype, vision_tower_path=vision_tower_path)
+
+    def save_perception(self, encoder: VisionEncoder, directory: Path, model_config: Any) -> dict:
+        super().save_perception(encoder, directory, model_config)
+        settings = video_neva_settings(model_config)
+        write_config_section(directory, "video", settings)
+        frames = 1 if settings["splice_single_frame"] else settings["num_frames"]
+        return {"features_per_item": frames * encoder.tokens_per_image}
+
+    def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
+                        max_image_pixels: int | None = None,
+                        video_limits: VideoLimits | None = None) -> VideoNevaPerception:
+        image = super().load_perception(directory, device=device, dtype=dtype, max_image_pixels=max_image_pixels)
+        return VideoNevaPerception(image.encoder, image.preprocessor, image.use_im_start_end, video_limits,
+                                   **read_config_section(directory, "video"))
