@@ -58,7 +58,7 @@ class ModelType(ABC):
 
     @abstractmethod
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
-                        max_image_pixels: int | None = None) -> "Perception":
+                        max_image_pixels: int | None = None) -> Perception:
         """Rebuild the runtime perception (preprocessing + encoder) from ``directory``."""
 
 

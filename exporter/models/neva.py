@@ -46,7 +46,7 @@ class ImageModel(ModelType):
         return {"features_per_item": encoder.tokens_per_image}
 
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
-                        max_image_pixels: int | None = None) -> "ImagePerception":
+                        max_image_pixels: int | None = None) -> ImagePerception:
         config = json.loads((directory / "config.json").read_text())
         weights = load_file(str(directory / "model.safetensors"))
         encoder = VisionEncoder.from_spec(config["encoder"], weights, dtype=dtype).to(device)
@@ -56,6 +56,10 @@ class ImageModel(ModelType):
 
 class ImagePerception(Perception):
     """Runtime: images → pixels → features; ``<image>`` placeholders → feature blocks."""
+
+    placeholder = IMAGE_PLACEHOLDER
+    placeholder_aliases: tuple[str, ...] = ()
+    media_name = "image"
 
     def __init__(self, encoder: VisionEncoder, preprocessor, use_im_start_end: bool = False,
                  max_encoder_batch: int = 16):
@@ -85,15 +89,15 @@ class ImagePerception(Perception):
 
     def layout(self, text: str, features: list[torch.Tensor], tokenizer: Tokenizer, template: ChatTemplate,
                apply_chat_template: bool) -> PromptLayout:
-        if apply_chat_template:
-            prompt = template.render(text, IMAGE_PLACEHOLDER if features else "")
-        else:
-            prompt = text
-        parts = prompt.split(IMAGE_PLACEHOLDER)
+        for alias in self.placeholder_aliases:
+            text = text.replace(alias, self.placeholder)
+        prompt = template.render(text, self.placeholder if features else "") if apply_chat_template else text
+        parts = prompt.split(self.placeholder)
         if len(parts) - 1 != len(features):
             raise MultimodalInputError(
-                f"the prompt has {len(parts) - 1} {IMAGE_PLACEHOLDER} placeholder(s) but the request carries "
-                f"{len(features)} image(s); put one {IMAGE_PLACEHOLDER} in the text for each image"
+                f"the prompt has {len(parts) - 1} {self.placeholder} placeholder(s) but the request carries "
+                f"{len(features)} {self.media_name}(s); put one {self.placeholder} in the text for each "
+                f"{self.media_name}, or none to have the chat template put it first"
             )
         pieces: list[list[int] | torch.Tensor] = []
         add_bos = apply_chat_template and template.add_bos
@@ -102,10 +106,11 @@ class ImagePerception(Perception):
             if ids:
                 pieces.append(ids)
             if index < len(features):
-                pieces.extend(self._framed(features[index], tokenizer))
+                pieces.extend(self.media_pieces(features[index], tokenizer))
         return PromptLayout(pieces)
 
-    def _framed(self, block: torch.Tensor, tokenizer: Tokenizer) -> list[list[int] | torch.Tensor]:
+    def media_pieces(self, block: torch.Tensor, tokenizer: Tokenizer) -> list[list[int] | torch.Tensor]:
+        """What replaces one placeholder: the feature block, framed by the image start/end tokens when trained so."""
         if not self.use_im_start_end:
             return [block]
         start, end = tokenizer.token_to_id(IM_START_TOKEN), tokenizer.token_to_id(IM_END_TOKEN)

@@ -54,7 +54,7 @@ class ChatTemplate:
                 "stop_tokens": list(self.stop_tokens)}
 
     @classmethod
-    def from_dict(cls, data: dict) -> "ChatTemplate":
+    def from_dict(cls, data: dict) -> ChatTemplate:
         return cls(name=data["name"], prompt=data["prompt"], system=data.get("system", ""),
                    add_bos=bool(data.get("add_bos", False)), stop_tokens=tuple(data.get("stop_tokens", ())))
 

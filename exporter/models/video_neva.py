@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 
-from ..llm.tokenizer import Tokenizer
 from ..perception.image_preprocess import ImagePreprocessor
 from ..perception.video import SPLICE_SINGLE_FRAME, VideoLimits, read_frames, video_neva_indices
 from ..perception.vision_encoder import VisionEncoder
-from .base import MultimodalInputError, PromptLayout
+from .base import MultimodalInputError
 from .neva import ImageModel, ImagePerception
-from .templates import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, ChatTemplate
+from .templates import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
 Piece = list[int] | torch.Tensor
 
@@ -53,6 +52,10 @@ class VideoPerception(ImagePerception):
     """Runtime of the video types: one video (or image, a one-frame video) per request → sampled frames →
     per-frame pixels → per-frame features ``[k, N, H]`` → the type's feature block, placed at ``<video>``."""
 
+    placeholder = VIDEO_PLACEHOLDER
+    placeholder_aliases = (IMAGE_PLACEHOLDER,)
+    media_name = "video"
+
     def __init__(self, encoder: VisionEncoder, preprocessor: ImagePreprocessor, use_im_start_end: bool = False,
                  limits: VideoLimits | None = None, max_encoder_batch: int = 16):
         super().__init__(encoder, preprocessor, use_im_start_end, max_encoder_batch)
@@ -65,10 +68,6 @@ class VideoPerception(ImagePerception):
     @abstractmethod
     def features_from_frames(self, frames: torch.Tensor) -> torch.Tensor:
         """The video's feature block ``[n, H]`` from its per-frame features ``[k, N, H]``."""
-
-    def media_pieces(self, block: torch.Tensor, tokenizer: Tokenizer) -> list[Piece]:
-        """What replaces one ``<video>``: the block, framed by the image start/end tokens when trained so."""
-        return self._framed(block, tokenizer)
 
     def load_media(self, media: Any) -> list[torch.Tensor]:
         items = list(media) if isinstance(media, (list, tuple)) else [media]
@@ -88,27 +87,6 @@ class VideoPerception(ImagePerception):
             blocks.append(self.features_from_frames(torch.stack(frame_features[start:start + len(video)])))
             start += len(video)
         return blocks
-
-    def layout(self, text: str, features: list[torch.Tensor], tokenizer: Tokenizer, template: ChatTemplate,
-               apply_chat_template: bool) -> PromptLayout:
-        text = text.replace(IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)
-        prompt = template.render(text, VIDEO_PLACEHOLDER if features else "") if apply_chat_template else text
-        parts = prompt.split(VIDEO_PLACEHOLDER)
-        if len(parts) - 1 != len(features):
-            raise MultimodalInputError(
-                f"the prompt has {len(parts) - 1} {VIDEO_PLACEHOLDER} (or {IMAGE_PLACEHOLDER}) placeholder(s) but "
-                f"the request carries {len(features)} video(s); put one {VIDEO_PLACEHOLDER} in the text for the "
-                "video, or none to have the chat template put it first"
-            )
-        pieces: list[Piece] = []
-        add_bos = apply_chat_template and template.add_bos
-        for index, part in enumerate(parts):
-            ids = tokenizer.encode(part, add_bos=add_bos and index == 0) if (part or add_bos) else []
-            if ids:
-                pieces.append(ids)
-            if index < len(features):
-                pieces.extend(self.media_pieces(features[index], tokenizer))
-        return PromptLayout(pieces)
 
 
 class VideoNevaPerception(VideoPerception):
