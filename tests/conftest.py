@@ -71,3 +71,15 @@ def tiny_gpt_config() -> dict:
 def tiny_gpt_weights():
     """The builder of random canonical weights for a config: `tiny_gpt_weights(config, vocab=64, seed=0)`."""
     return make_tiny_gpt_weights
+
+
+def load_demo_builder():
+    """scripts/make_demo_checkpoint.py as a module (its image generator and labels)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "make_demo_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("make_demo_checkpoint", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

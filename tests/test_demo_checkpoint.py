@@ -6,7 +6,6 @@ say, answers follow the question, training sequences match the v1 prompt, and de
 
 from __future__ import annotations
 
-import importlib.util
 import tarfile
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import pytest
 import yaml
 from PIL import Image
 
+from conftest import load_demo_builder
 from exporter.models.templates import IMAGE_PLACEHOLDER, get_template
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,16 +24,7 @@ SAMPLE_NAMES = ("red_circle", "blue_triangle", "green_square", "yellow_circle")
 FILL_RATIO = {"square": (0.93, 1.01), "circle": (0.70, 0.86), "triangle": (0.42, 0.62)}
 
 
-def _load_builder():
-    spec = importlib.util.spec_from_file_location(
-        "make_demo_checkpoint", ROOT / "scripts/make_demo_checkpoint.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-builder = _load_builder()
+builder = load_demo_builder()
 
 
 def _shape_mask(image: Image.Image) -> np.ndarray:
