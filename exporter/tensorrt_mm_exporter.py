@@ -17,6 +17,7 @@ from deploy.triton_deployable import (
     InferRequest,
     ITritonDeployable,
     RequestRow,
+    default_warmup_request,
     encode_outputs,
     multimodal_triton_inputs,
     multimodal_triton_outputs,
@@ -163,6 +164,12 @@ class TensorRTMMExporter(ITritonDeployable):
     @property
     def get_triton_output(self):
         return multimodal_triton_outputs()
+
+    def triton_warmup_request(self) -> InferRequest:
+        """The default warm-up request, asking for a single token so that it fits any engine's limits."""
+        request = default_warmup_request(self.get_triton_input)
+        request["max_output_len"] = np.array([[1]], dtype=np.int_)
+        return request
 
     def triton_infer_fn(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
         """NeMo's whole-batch entry point: every row answered, the first failure raised."""

@@ -1,0 +1,168 @@
+"""The exported demo Neva behind a real PyTriton server on loopback (HTTP and gRPC), queried by the client and CLI."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pytriton.client import ModelClient
+from pytriton.client.exceptions import PyTritonClientInferenceServerError
+
+from conftest import load_demo_builder
+from deploy import DeployPyTriton
+from deploy.startup import free_port
+from exporter import TensorRTMMExporter
+from query import NemoQueryMultimodal, QueryError
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
+MODEL = "demo"
+SHAPE_Q, COLOR_Q = "What shape is this?", "What color is the shape?"
+BATCH_WINDOW_US = 300_000  # wide enough that concurrent requests share a batch on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    exporter = TensorRTMMExporter(tmp_path_factory.mktemp("engine"), device="cpu")
+    exporter.export(DEMO_NEMO, model_type="neva", dtype="float32", max_batch_size=8, max_input_len=200,
+                    max_output_len=16, max_multimodal_len=8 * 64)
+    http_port, grpc_port = free_port(), free_port()
+    deployer = DeployPyTriton(exporter, MODEL, max_batch_size=8, http_port=http_port, grpc_port=grpc_port,
+                              address="127.0.0.1", max_queue_delay_microseconds=BATCH_WINDOW_US)
+    deployer.deploy()
+    try:
+        deployer.run()
+        yield f"127.0.0.1:{http_port}", f"grpc://127.0.0.1:{grpc_port}", deployer
+    finally:
+        deployer.stop()
+
+
+@pytest.fixture(scope="module")
+def examples():
+    """Eight fresh demo images with their labels, all different."""
+    builder = load_demo_builder()
+    drawn = builder.sample_examples(np.random.default_rng(7), 8)
+    return [(np.asarray(image), shape, color) for image, shape, color in drawn]
+
+
+def _query_concurrently(server, jobs) -> list:
+    """Send `jobs` (prompt, media, params) at once, alternating HTTP and gRPC; answers or QueryErrors."""
+    http_url, grpc_url, _ = server
+    start = threading.Barrier(len(jobs))
+
+    def run(index: int):
+        prompt, media, params = jobs[index]
+        url = http_url if index % 2 else grpc_url
+        if isinstance(media, bytes):  # sent as they are: the client would refuse to encode them
+            return _send_raw_bytes(url, prompt, media, start)
+        with NemoQueryMultimodal(url, MODEL, "neva") as client:
+            start.wait(timeout=60)
+            try:
+                return client.query(prompt, media, init_timeout=60, inference_timeout=120, **params)
+            except QueryError as error:
+                return error
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        return list(pool.map(run, range(len(jobs)), timeout=240))
+
+
+def _send_raw_bytes(url: str, prompt: str, media: bytes, start: threading.Barrier):
+    with ModelClient(url, MODEL, init_timeout_s=60, inference_timeout_s=120) as client:
+        start.wait(timeout=60)
+        try:
+            return client.infer_batch(input_text=np.array([[prompt.encode()]]),
+                                      input_media_bytes=np.array([[media]], dtype=object),
+                                      max_output_len=np.array([[4]]))
+        except PyTritonClientInferenceServerError as error:
+            return error
+
+
+def test_client_answers_over_http_and_grpc(server):
+    http_url, grpc_url, _ = server
+    for url in (http_url, grpc_url):
+        with NemoQueryMultimodal(url, MODEL, "neva") as client:
+            assert client.query(SHAPE_Q, str(REPO / "demo/images/red_circle.png"), max_output_len=8).tolist() == [
+                ["circle"]]
+            assert client.query(COLOR_Q, str(REPO / "demo/images/blue_triangle.png"), max_output_len=8).tolist() == [
+                ["blue"]]
+
+
+def test_concurrent_requests_with_different_images_and_parameters(server, examples):
+    params = [{"max_output_len": 4 + k, "temperature": 0.5 + k / 4, "num_beams": 1 + k % 2} for k in range(8)]
+    questions = [SHAPE_Q if k % 2 else COLOR_Q for k in range(8)]
+    jobs = [(questions[k], examples[k][0], params[k]) for k in range(8)]
+    answers = _query_concurrently(server, jobs)
+    for k, answer in enumerate(answers):
+        _, shape, color = examples[k]
+        assert not isinstance(answer, Exception), answer
+        assert answer.shape == (1, params[k]["num_beams"])
+        assert answer[0, 0] == (shape if questions[k] == SHAPE_Q else color)
+
+
+def test_bad_requests_fail_alone_and_the_server_keeps_serving(server, examples):
+    bad = {
+        2: (SHAPE_Q, b"\x89PNG this is not an image", {}),
+        4: ("tell me " * 300 + SHAPE_Q, examples[4][0], {"max_output_len": 4}),
+        6: (SHAPE_Q, examples[6][0], {"top_p": 2.0, "max_output_len": 4}),
+    }
+    jobs = [bad.get(k, (SHAPE_Q, examples[k][0], {"max_output_len": 4})) for k in range(8)]
+    answers = _query_concurrently(server, jobs)
+    assert isinstance(answers[2], PyTritonClientInferenceServerError) and "image" in str(answers[2]).lower()
+    assert isinstance(answers[4], QueryError) and "max_input_len=200" in str(answers[4])
+    assert isinstance(answers[6], QueryError) and "top_p" in str(answers[6])
+    for k, answer in enumerate(answers):
+        if k not in bad:
+            assert not isinstance(answer, Exception), answer
+            assert answer[0, 0] == examples[k][1]
+    with NemoQueryMultimodal(server[0], MODEL, "neva") as client:
+        assert client.query(COLOR_Q, examples[0][0], max_output_len=4).tolist() == [[examples[0][2]]]
+    assert server[2].triton.is_alive()
+
+
+def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 240) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"deploy_triton.py exited early:\n{process.stderr.read()}")
+        try:
+            with urllib.request.urlopen(f"http://{url}/v2/models/{MODEL}/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("deploy_triton.py did not become ready")
+
+
+def test_deploy_script_exports_serves_and_query_script_answers(tmp_path):
+    """NeMo's CLI semantics: a checkpoint is exported into the repository, then served; query.py prints."""
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    http_port, grpc_port = free_port(), free_port()
+    deploy = [sys.executable, str(REPO / "scripts/deploy_triton.py"), "--config", "demo", "-vc", str(DEMO_NEMO),
+              "-tmr", str(tmp_path / "repo"), "-trp", str(http_port), "--grpc_port", str(grpc_port), "-mbs", "2"]
+    server = subprocess.Popen(deploy, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_ready(f"127.0.0.1:{http_port}", server)
+        assert (tmp_path / "repo" / "manifest.json").is_file()
+        for image, question, expected in (("green_square", SHAPE_Q, "square"), ("yellow_circle", COLOR_Q, "yellow")):
+            query = [sys.executable, str(REPO / "scripts/query.py"), "-u", f"127.0.0.1:{http_port}", "-mn", MODEL,
+                     "-mt", "neva", "-int", question, "-im", str(REPO / f"demo/images/{image}.png"), "-mol", "8"]
+            done = subprocess.run(query, env=env, capture_output=True, text=True, timeout=120, check=False)
+            assert done.returncode == 0, done.stderr
+            assert done.stdout.strip() == expected
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=120)
+        finally:
+            if server.poll() is None:
+                server.kill()
+    assert server.returncode == 0
