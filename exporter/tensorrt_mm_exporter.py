@@ -147,7 +147,7 @@ class TensorRTMMExporter(ITritonDeployable):
         for result in results:
             if isinstance(result, Exception):
                 raise result
-        return results  # type: ignore[return-value]
+        return [result.texts for result in results]  # type: ignore[union-attr]
 
     def _require_pipeline(self) -> Pipeline:
         if self.pipeline is None:
@@ -196,7 +196,7 @@ class TensorRTMMExporter(ITritonDeployable):
                 continue
             mine = [next(answers) for _ in rows]
             failure = next((a for a in mine if isinstance(a, Exception)), None)
-            results.append(failure if failure is not None else encode_outputs(mine))  # type: ignore[arg-type]
+            results.append(failure if failure is not None else encode_outputs([a.texts for a in mine]))
         return results
 
 

@@ -1,5 +1,5 @@
 """Serving-time execution: the request pipeline (and, on GPU, the in-flight scheduler)."""
 
-from .pipeline import Pipeline, Request
+from .pipeline import Completion, Pipeline, Request
 
-__all__ = ["Pipeline", "Request"]
+__all__ = ["Completion", "Pipeline", "Request"]

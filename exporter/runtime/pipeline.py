@@ -22,10 +22,19 @@ class Request:
     apply_chat_template: bool = True
 
 
+@dataclass
+class Completion:
+    """One request's answer: text and token ids per beam (best first) and the prompt's length in positions."""
+
+    texts: list[str]
+    token_ids: list[list[int]]
+    prompt_tokens: int
+
+
 class Pipeline:
     """Preprocess → perception encoder → prompt layout → splice → LLM → text, for a batch of requests.
 
-    ``run`` returns, per request, its answers (``[beam]``) or the exception that request alone raised; a bad request
+    ``run`` returns, per request, its :class:`Completion` or the exception that request alone raised; a bad request
     never fails the others.
     """
 
@@ -38,15 +47,15 @@ class Pipeline:
         ids = {tokenizer.token_to_id(token) for token in self.engine.template.stop_tokens}
         return {i for i in ids if i is not None}
 
-    def run(self, requests: list[Request]) -> list[list[str] | Exception]:
+    def run(self, requests: list[Request]) -> list[Completion | Exception]:
         limit = self.engine.limits.max_batch_size
-        results: list[list[str] | Exception] = []
+        results: list[Completion | Exception] = []
         for start in range(0, len(requests), limit):
             results.extend(self._run_batch(requests[start:start + limit]))
         return results
 
-    def _run_batch(self, requests: list[Request]) -> list[list[str] | Exception]:
-        results: list[list[str] | Exception | None] = [None] * len(requests)
+    def _run_batch(self, requests: list[Request]) -> list[Completion | Exception]:
+        results: list[Completion | Exception | None] = [None] * len(requests)
         media_items: dict[int, list[torch.Tensor]] = {}
         for i, request in enumerate(requests):
             try:
@@ -78,7 +87,9 @@ class Pipeline:
             tokenizer=self.engine.tokenizer,
         ) if order else []
         for i, beams in zip(order, outputs):
-            results[i] = [self._decode(tokens) for tokens in beams]
+            kept = [self._until_stop_token(tokens) for tokens in beams]
+            texts = [self.engine.tokenizer.decode(tokens).strip() for tokens in kept]
+            results[i] = Completion(texts, kept, layouts[i].length)
         return results  # type: ignore[return-value]
 
     def _encode(self, media_items: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
@@ -97,9 +108,8 @@ class Pipeline:
                 parts.append(piece.to(device=decoder.device, dtype=decoder.dtype))
         return torch.cat(parts)
 
-    def _decode(self, tokens: list[int]) -> str:
+    def _until_stop_token(self, tokens: list[int]) -> list[int]:
         for index, token in enumerate(tokens):
             if token in self.stop_token_ids:
-                tokens = tokens[:index]
-                break
-        return self.engine.tokenizer.decode(tokens).strip()
+                return tokens[:index]
+        return tokens
