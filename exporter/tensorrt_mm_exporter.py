@@ -7,7 +7,7 @@ vision encoder as ONNX, the file a TensorRT build consumes elsewhere.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from deploy.triton_deployable import (
 from .engine import Engine, EngineLimits, export_engine, load_engine, prepare_model_dir, read_manifest
 from .llm.generate import SamplingParams
 from .models import get_model_type
-from .runtime import Pipeline, Request
+from .runtime import Completion, Pipeline, Request
 
 MODALITIES = ("vision", "audio")
 BACKENDS = ("torch",)
@@ -148,6 +148,17 @@ class TensorRTMMExporter(ITritonDeployable):
             if isinstance(result, Exception):
                 raise result
         return [result.texts for result in results]  # type: ignore[union-attr]
+
+    def generate(self, requests: Sequence[Request]) -> list[Completion | Exception]:
+        """Answer pipeline requests together; each gets its :class:`Completion` or its own exception."""
+        return self._require_pipeline().run(list(requests))
+
+    def stream(self, request: Request) -> Iterator[str]:
+        """Yield the text of one request's best answer piece by piece as it is generated."""
+        result = self.generate([request])[0]
+        if isinstance(result, Exception):
+            raise result
+        yield result.texts[0]
 
     def _require_pipeline(self) -> Pipeline:
         if self.pipeline is None:
