@@ -47,12 +47,13 @@ def torch_dtype(name: str) -> torch.dtype:
 
 def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *, model_type: str = "neva",
                   llm_checkpoint_path: str | Path | None = None, llm_model_type: str = "llama",
-                  limits: EngineLimits = EngineLimits(), dtype: str = "bfloat16",
+                  limits: EngineLimits | None = None, dtype: str = "bfloat16",
                   vision_tower_path: str | None = None, tokenizer_path: str | None = None,
                   export_onnx: bool = False, rename_keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """Read the checkpoint(s), build perception and LLM, write the engine directory; return the manifest."""
     kind = get_model_type(model_type)
     target = torch_dtype(dtype)
+    limits = limits or EngineLimits()
     model_dir = Path(model_dir)
     checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
     config = checkpoint.config
