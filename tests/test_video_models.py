@@ -393,7 +393,7 @@ def test_video_neva_pipeline_matches_transformers(llama_checkpoint_parts):
     features = clip_features(llama_checkpoint_parts, pipeline, frames[[0, 2, 4]])  # linspace(0, 4, 3)
     embeds = reference_embeds(pipeline, hf, text, [features.reshape(-1, HIDDEN)])
     assert_prompt_logits_match(pipeline, hf, text, video, embeds)
-    assert answer == [reference_answer(pipeline, hf, embeds)]
+    assert answer.texts == [reference_answer(pipeline, hf, embeds)]
 
 
 def test_lita_pipeline_matches_transformers(llama_checkpoint_parts):
@@ -411,4 +411,4 @@ def test_lita_pipeline_matches_transformers(llama_checkpoint_parts):
                [ids["<extra_id_8>"]], features.mean(dim=1), [ids["<extra_id_9>"]]]
     embeds = reference_embeds(pipeline, hf, "<video>\nwhat happens", spliced)
     assert_prompt_logits_match(pipeline, hf, text, video, embeds)
-    assert answer == [reference_answer(pipeline, hf, embeds)]
+    assert answer.texts == [reference_answer(pipeline, hf, embeds)]
