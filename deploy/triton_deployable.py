@@ -3,7 +3,8 @@
 Wire format (every tensor has Triton's batch axis first; one row = one prompt):
 
 - `input_text` bytes (1,): the prompt, UTF-8.
-- `input_media_bytes` object (1,), optional: one encoded media file (JPEG/PNG image, MP4 video, WAV audio).
+- `input_media_bytes` object (-1,), optional: the row's encoded media files (JPEG/PNG images, an MP4 video, a WAV
+  clip); several images for models that take several per prompt (VILA).
 - vision: `input_media` uint8 (-1,-1,-1,3), optional: raw RGB pixels `[frames, H, W, 3]` as NeMo sends them.
 - audio: `input_signal` float32 (-1,) + `input_signal_length` int32 (1,), optional: the raw waveform (NeMo).
 - optional per-row generation parameters: `batch_size, max_output_len, top_k, num_beams` (int64, (1,)),
@@ -68,7 +69,7 @@ def multimodal_triton_inputs(modality: str) -> tuple[Tensor, ...]:
     return (
         Tensor(name="input_text", shape=(1,), dtype=bytes),
         *media,
-        Tensor(name="input_media_bytes", shape=(1,), dtype=object, optional=True),
+        Tensor(name="input_media_bytes", shape=(-1,), dtype=object, optional=True),
         *params,
     )
 
@@ -97,7 +98,7 @@ class RequestRow:
     """One prompt of a request, decoded from the wire format."""
 
     text: str
-    media_bytes: bytes | None
+    media_bytes: tuple[bytes, ...] | None
     media: np.ndarray | None
     signal: np.ndarray | None
     params: GenerationParams
@@ -121,8 +122,8 @@ def _decode_row(request: Mapping[str, np.ndarray], row: int) -> RequestRow:
     text = _utf8(request["input_text"][row].reshape(-1)[0], f"input_text of row {row}")
     media_bytes = None
     if "input_media_bytes" in request:
-        media_bytes = _as_bytes(request["input_media_bytes"][row].reshape(-1)[0])
-        if not media_bytes:
+        media_bytes = tuple(_as_bytes(item) for item in request["input_media_bytes"][row].reshape(-1))
+        if not media_bytes or not all(media_bytes):
             raise ValueError(f"input_media_bytes of row {row} is empty; send an encoded media file")
     media = np.asarray(request["input_media"][row], dtype=np.uint8) if "input_media" in request else None
     signal = None

@@ -218,7 +218,7 @@ def _pipeline_request(row: RequestRow) -> Request:
                             temperature=row.params.temperature, repetition_penalty=row.params.repetition_penalty,
                             num_beams=row.params.num_beams)
     if row.media_bytes is not None:
-        media: Any = row.media_bytes
+        media: Any = row.media_bytes[0] if len(row.media_bytes) == 1 else list(row.media_bytes)
     elif row.media is not None:
         media = list(row.media) if row.media.ndim == 4 else row.media
     else:

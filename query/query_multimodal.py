@@ -149,32 +149,32 @@ class NemoQueryMultimodal:
         self.close()
 
     def _media_inputs(self, media) -> dict[str, np.ndarray]:
-        """One row's media tensors (without the batch axis)."""
+        """One row's media tensors (without the batch axis); a list or tuple is several items for one prompt."""
         if media is None:
             return {}
+        if isinstance(media, (list, tuple)):
+            if self.raw_pixels:
+                raise ValueError("several media items per prompt go encoded; do not set raw_pixels")
+            encoded = [self._encoded(item) for item in media]
+            return {"input_media_bytes": np.array(encoded, dtype=object)}
         options = self._read_options
-        if self.model_type == "salm":
-            if self.raw_pixels or isinstance(media, np.ndarray):
-                signal = media_io.audio_signal(media, **options)
-                return {
-                    "input_signal": signal,
-                    "input_signal_length": np.array([signal.shape[0]], dtype=np.int32),
-                }
-            return {
-                "input_media_bytes": np.array([media_io.read_media_bytes(media, **options)], dtype=object)
-            }
-        if self.model_type in VIDEO_MODEL_TYPES:
-            if self.raw_pixels or isinstance(media, np.ndarray):
-                frames = media_io.video_frames(media, **options)
-                if self.model_type in ("lita", "vita"):
-                    frames = media_io.subsample_frames(frames)
-                return {"input_media": frames}
-            return {
-                "input_media_bytes": np.array([media_io.read_media_bytes(media, **options)], dtype=object)
-            }
-        if self.raw_pixels:
+        if self.model_type == "salm" and (self.raw_pixels or isinstance(media, np.ndarray)):
+            signal = media_io.audio_signal(media, **options)
+            return {"input_signal": signal, "input_signal_length": np.array([signal.shape[0]], dtype=np.int32)}
+        if self.model_type in VIDEO_MODEL_TYPES and (self.raw_pixels or isinstance(media, np.ndarray)):
+            frames = media_io.video_frames(media, **options)
+            if self.model_type in ("lita", "vita"):
+                frames = media_io.subsample_frames(frames)
+            return {"input_media": frames}
+        if self.raw_pixels and self.model_type not in VIDEO_MODEL_TYPES and self.model_type != "salm":
             return {"input_media": media_io.image_pixels(media, **options)[np.newaxis]}
-        return {"input_media_bytes": np.array([media_io.image_bytes(media, **options)], dtype=object)}
+        return {"input_media_bytes": np.array([self._encoded(media)], dtype=object)}
+
+    def _encoded(self, media) -> bytes:
+        """One media item as the bytes of its file: images re-encoded as needed, videos and audio as they are."""
+        if self.model_type == "salm" or self.model_type in VIDEO_MODEL_TYPES:
+            return media_io.read_media_bytes(media, **self._read_options)
+        return media_io.image_bytes(media, **self._read_options)
 
     def _open_client(self, init_timeout: float, inference_timeout: float) -> ModelClient:
         if self._client is not None and self._client_timeouts != (init_timeout, inference_timeout):

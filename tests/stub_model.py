@@ -89,14 +89,14 @@ class StubMultimodalModel(ITritonDeployable):
             import soundfile
 
             try:
-                signal, _ = soundfile.read(io.BytesIO(row.media_bytes), dtype="float32")
+                signal, _ = soundfile.read(io.BytesIO(row.media_bytes[0]), dtype="float32")
             except (RuntimeError, TypeError) as error:
                 raise ValueError(f"input_media_bytes is not a decodable audio file ({error})") from None
             return f"samples={signal.shape[0]}"
         from PIL import Image
 
         try:
-            image = Image.open(io.BytesIO(row.media_bytes)).convert("RGB")
+            image = Image.open(io.BytesIO(row.media_bytes[0])).convert("RGB")
         except (OSError, ValueError) as error:
             raise ValueError(f"input_media_bytes is not a decodable image ({type(error).__name__})") from None
         return describe_pixels(np.asarray(image))
