@@ -83,3 +83,21 @@ def load_demo_builder():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def wait_until_ready(url: str, model: str, process, timeout_s: float = 240) -> None:
+    """Poll Triton's model-ready endpoint until it answers 200; fail early if the server process exits."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise AssertionError(f"deploy_triton.py exited early:\n{process.stderr.read()}")
+        try:
+            with urllib.request.urlopen(f"http://{url}/v2/models/{model}/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError("deploy_triton.py did not become ready")

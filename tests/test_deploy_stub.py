@@ -9,7 +9,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import wait_until_ready
 from PIL import Image
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
@@ -280,20 +280,6 @@ def _write_fake_exporter(root: Path) -> None:
     (package / "__init__.py").write_text("from stub_model import StubMultimodalModel as TensorRTMMExporter\n")
 
 
-def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 90) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"deploy_triton.py exited early:\n{process.stderr.read()}")
-        try:
-            with urllib.request.urlopen(f"http://{url}/v2/models/{MODEL}/ready", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError("deploy_triton.py did not become ready")
-
-
 def test_scripts_serve_and_query_from_plain_python(tmp_path):
     """deploy_triton.py run with LD_LIBRARY_PATH unset serves (the libpython fix); query.py prints answers."""
     _write_fake_exporter(tmp_path)
@@ -323,7 +309,7 @@ def test_scripts_serve_and_query_from_plain_python(tmp_path):
     ]
     server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_ready(f"127.0.0.1:{http_port}", server)
+        wait_until_ready(f"127.0.0.1:{http_port}", MODEL, server)
         query = [
             sys.executable,
             str(REPO / "scripts/query.py"),

@@ -7,14 +7,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import load_demo_builder
+from conftest import load_demo_builder, wait_until_ready
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
@@ -128,20 +126,6 @@ def test_bad_requests_fail_alone_and_the_server_keeps_serving(server, examples):
     assert server[2].triton.is_alive()
 
 
-def _wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 240) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise AssertionError(f"deploy_triton.py exited early:\n{process.stderr.read()}")
-        try:
-            with urllib.request.urlopen(f"http://{url}/v2/models/{MODEL}/ready", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    raise AssertionError("deploy_triton.py did not become ready")
-
-
 def test_deploy_script_exports_serves_and_query_script_answers(tmp_path):
     """NeMo's CLI semantics: a checkpoint is exported into the repository, then served; query.py prints."""
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
@@ -150,7 +134,7 @@ def test_deploy_script_exports_serves_and_query_script_answers(tmp_path):
               "-tmr", str(tmp_path / "repo"), "-trp", str(http_port), "--grpc_port", str(grpc_port), "-mbs", "2"]
     server = subprocess.Popen(deploy, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_ready(f"127.0.0.1:{http_port}", server)
+        wait_until_ready(f"127.0.0.1:{http_port}", MODEL, server)
         assert (tmp_path / "repo" / "manifest.json").is_file()
         for image, question, expected in (("green_square", SHAPE_Q, "square"), ("yellow_circle", COLOR_Q, "yellow")):
             query = [sys.executable, str(REPO / "scripts/query.py"), "-u", f"127.0.0.1:{http_port}", "-mn", MODEL,
