@@ -4,7 +4,8 @@ Wire format (every tensor has Triton's batch axis first; one row = one prompt):
 
 - `input_text` bytes (1,): the prompt, UTF-8.
 - `input_media_bytes` object (-1,), optional: the row's encoded media files (JPEG/PNG images, an MP4 video, a WAV
-  clip); several images for models that take several per prompt (VILA).
+  clip); several images for models that take several per prompt (VILA). JSON clients (curl) may send each as a
+  base64 `data:` URL.
 - vision: `input_media` uint8 (-1,-1,-1,3), optional: raw RGB pixels `[frames, H, W, 3]` as NeMo sends them.
 - audio: `input_signal` float32 (-1,) + `input_signal_length` int32 (1,), optional: the raw waveform (NeMo).
 - optional per-row generation parameters: `batch_size, max_output_len, top_k, num_beams` (int64, (1,)),
@@ -14,6 +15,8 @@ Wire format (every tensor has Triton's batch axis first; one row = one prompt):
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import io
 from abc import ABC, abstractmethod
@@ -122,7 +125,7 @@ def _decode_row(request: Mapping[str, np.ndarray], row: int) -> RequestRow:
     text = _utf8(request["input_text"][row].reshape(-1)[0], f"input_text of row {row}")
     media_bytes = None
     if "input_media_bytes" in request:
-        media_bytes = tuple(_as_bytes(item) for item in request["input_media_bytes"][row].reshape(-1))
+        media_bytes = tuple(_media_item(item, row) for item in request["input_media_bytes"][row].reshape(-1))
         if not media_bytes or not all(media_bytes):
             raise ValueError(f"input_media_bytes of row {row} is empty; send an encoded media file")
     media = np.asarray(request["input_media"][row], dtype=np.uint8) if "input_media" in request else None
@@ -154,6 +157,20 @@ def _row_params(request: Mapping[str, np.ndarray], row: int) -> GenerationParams
         uids = np.asarray(request["lora_uids"][row]).reshape(-1)
         values["lora_uids"] = tuple(_utf8(uid, f"lora_uids of row {row}") for uid in uids)
     return GenerationParams(**values)
+
+
+def _media_item(value: object, row: int) -> bytes:
+    """An encoded media file, given as its bytes or, for JSON clients such as curl, as a base64 `data:` URL."""
+    raw = _as_bytes(value)
+    if not raw.startswith(b"data:"):
+        return raw
+    header, _, payload = raw.partition(b",")
+    if not header.endswith(b";base64"):
+        raise ValueError(f"input_media_bytes of row {row} is a data: URL without ;base64; send base64 data")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except binascii.Error as error:
+        raise ValueError(f"input_media_bytes of row {row} has invalid base64 data ({error})") from None
 
 
 def _as_bytes(value: object) -> bytes:

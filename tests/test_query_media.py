@@ -207,3 +207,20 @@ def test_server_error_summary_keeps_the_model_error():
     )
     assert server_error_summary(message) == "ValueError: temperature must be > 0"
     assert server_error_summary("[400] unexpected input") == "[400] unexpected input"
+
+
+def test_server_side_rows_accept_base64_data_urls():
+    """JSON clients (curl) send encoded media as base64 data: URLs; the server decodes them to the file bytes."""
+    import base64
+
+    from deploy.triton_deployable import split_request
+
+    png = b"\x89PNG\r\n\x1a\n payload"
+    request = {
+        "input_text": np.array([[b"q"]]),
+        "input_media_bytes": np.array([[b"data:image/png;base64," + base64.b64encode(png)]], dtype=object),
+    }
+    assert split_request(request)[0].media_bytes == (png,)
+    request["input_media_bytes"] = np.array([[b"data:image/png,notbase64"]], dtype=object)
+    with pytest.raises(ValueError, match="without ;base64"):
+        split_request(request)
