@@ -9,7 +9,7 @@ import tarfile
 
 import pytest
 import torch
-from test_tokenizer import train_sentencepiece
+from conftest import train_sentencepiece
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,

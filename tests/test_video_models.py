@@ -7,9 +7,9 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
+from conftest import train_sentencepiece
 from omegaconf import OmegaConf
 from test_llm_parity import HIDDEN, llama_nemo_config, tiny_llama
-from test_tokenizer import train_sentencepiece
 from test_video import lossless_video, random_frames
 from test_vision import (
     LLM_HIDDEN,
