@@ -19,7 +19,6 @@ from exporter.llm.tokenizer import (
     load_tokenizer,
 )
 
-USER_DEFINED = ["<extra_id_0>", "<extra_id_1>"]
 
 
 @pytest.fixture(scope="module")
