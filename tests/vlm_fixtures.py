@@ -1,0 +1,213 @@
+"""Tiny Neva/VILA checkpoints in NeMo's layout, and an independent reference answer built from transformers.
+
+The reference never calls this project's code: it preprocesses with transformers' image processors, runs
+transformers' CLIP/SigLIP tower and Llama, computes the projector with plain torch ops, and tokenizes the
+literal prompt text with SentencePiece.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import sentencepiece
+import torch
+from conftest import train_sentencepiece
+from PIL import Image
+from transformers import (
+    CLIPImageProcessor,
+    CLIPVisionConfig,
+    CLIPVisionModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    SiglipImageProcessor,
+    SiglipVisionConfig,
+    SiglipVisionModel,
+)
+
+from exporter.nemo_writer import hf_llama_to_nemo, write_nemo
+
+HIDDEN, HEADS, GROUPS, FFN, LAYERS = 64, 4, 2, 128, 2
+TOWER_HIDDEN, IMAGE, PATCH = 32, 32, 8
+SPECIAL = tuple(f"<extra_id_{i}>" for i in range(10))
+PROJECTOR_PREFIX = "embedding.word_embeddings.adapter_layer.mm_projector_adapter.mm_projector"
+TOWER_PREFIX = "embedding.word_embeddings.vision_encoder."
+CHAT = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
+        "detailed, and polite answers to the user's questions.")
+VISION_SYSTEM = ("You are a helpful language and vision assistant. You are able to understand the visual content "
+                 "that the user provides, and assist the user with a variety of tasks using natural language.")
+LABELS = "quality:4,toxicity:0,humor:0,creativity:0,helpfulness:4,correctness:4,coherence:4,complexity:4,verbosity:4"
+# The prompts training rendered, written out literally: (text with <image>, BOS in front).
+PROMPTS = {
+    "v1": (CHAT + " USER: <image>\n{q} ASSISTANT:", True),
+    "nvgpt": ("<extra_id_0>System\n" + CHAT + "\n\n<extra_id_1>User\n<image>\n{q}\n<extra_id_1>Assistant\n"
+              "<extra_id_2>" + LABELS + "\n", False),
+    "llama_2": ("[INST] <<SYS>>\n" + VISION_SYSTEM + "\n<</SYS>>\n\n<image>\n{q} [/INST]", True),
+    "mistral": ("[INST] <image>\n{q} [/INST]", True),
+}
+
+
+@dataclass
+class TinyVlm:
+    """A built checkpoint and the transformers modules and files its reference needs."""
+
+    nemo: Path
+    llm: LlamaForCausalLM
+    tower: torch.nn.Module
+    tower_type: str
+    projector_type: str
+    projector: dict[str, torch.Tensor]
+    sp_path: Path
+    template: str
+    aspect: str
+    export_kwargs: dict = field(default_factory=dict)
+
+
+def tokenizer_file(folder: Path) -> Path:
+    return train_sentencepiece(folder / "tokenizer.model", user_defined_symbols=SPECIAL)
+
+
+def build_vlm(folder: Path, sp_path: Path, *, tower_type="clip", projector_type="mlp2x_gelu", layout="legacy",
+              tp_size=1, mcore=True, tower_at="checkpoint", template="v1", aspect="square", seed=0) -> TinyVlm:
+    """Write a tiny Neva-style ``.nemo``; ``tower_at`` is checkpoint | from_pretrained | vision_tower_path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    vocab = 384  # the 300-piece SentencePiece vocab padded to a multiple of 128, as NeMo pads it
+    llm = LlamaForCausalLM(LlamaConfig(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN,
+                                       num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                                       num_key_value_heads=GROUPS, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                                       max_position_embeddings=512)).eval()
+    tower = _tower(tower_type)
+    projector = _projector(projector_type, seed)
+    weights = hf_llama_to_nemo(llm.state_dict(), HEADS, GROUPS)
+    weights.update({f"{PROJECTOR_PREFIX}{name}": value for name, value in projector.items()})
+    vision = {"from_pretrained": "example-org/tiny-tower-not-downloaded", "from_hf": True,
+              "hidden_size": TOWER_HIDDEN, "patch_dim": PATCH, "crop_size": [IMAGE, IMAGE],
+              "vision_select_layer": -2, "vision_select_feature": "patch", "class_token_length": 1, "freeze": True}
+    export_kwargs: dict = {}
+    if tower_at == "checkpoint":
+        weights.update({TOWER_PREFIX + name: value for name, value in tower.state_dict().items()})
+        vision.update(freeze=False, model_type=tower_type, num_layers=2, num_attention_heads=4, ffn_hidden_size=64,
+                      image_size=IMAGE, layernorm_epsilon=tower.config.layer_norm_eps,
+                      hidden_act=tower.config.hidden_act)
+    else:
+        tower.save_pretrained(folder / "tower")
+        if tower_at == "from_pretrained":
+            vision["from_pretrained"] = str(folder / "tower")
+        else:
+            export_kwargs["vision_tower_path"] = str(folder / "tower")
+    config = {
+        "mcore_gpt": mcore, "num_layers": LAYERS, "hidden_size": HIDDEN, "ffn_hidden_size": FFN,
+        "num_attention_heads": HEADS, "num_query_groups": GROUPS, "kv_channels": None,
+        "normalization": "rmsnorm", "layernorm_epsilon": 1e-5, "activation": "fast-swiglu", "bias": False,
+        "position_embedding_type": "rope", "rotary_percentage": 1.0, "rotary_base": 10000,
+        "share_embeddings_and_output_weights": False, "make_vocab_size_divisible_by": 128,
+        "max_position_embeddings": 512, "encoder_seq_length": 512, "precision": 32,
+        "tokenizer": {"library": "sentencepiece", "type": None, "model": str(sp_path), "sentencepiece_legacy": True},
+        "mm_cfg": {"llm": {"freeze": True, "model_type": template}, "vision_encoder": vision,
+                   "mm_mlp_adapter_type": projector_type, "use_im_start_end": False},
+        "data": {"media_type": "image", "image_aspect_ratio": aspect, "conv_template": template},
+    }
+    nemo = write_nemo(folder / "model.nemo", config, weights, layout=layout, tp_size=tp_size, mcore=mcore,
+                      artifacts={"tokenizer.model": sp_path})
+    return TinyVlm(nemo, llm, tower.eval(), tower_type, projector_type, projector, sp_path, template, aspect,
+                   export_kwargs)
+
+
+def _tower(tower_type: str) -> torch.nn.Module:
+    sizes = {"hidden_size": TOWER_HIDDEN, "intermediate_size": 64, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "image_size": IMAGE, "patch_size": PATCH}
+    if tower_type == "clip":
+        return CLIPVisionModel(CLIPVisionConfig(**sizes))
+    return SiglipVisionModel(SiglipVisionConfig(**sizes))
+
+
+def _projector(projector_type: str, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed + 1)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=generator) * 0.2
+
+    if projector_type == "linear":
+        return {".weight": rand(HIDDEN, TOWER_HIDDEN), ".bias": rand(HIDDEN)}
+    if projector_type == "mlp2x_gelu":
+        return {".0.weight": rand(HIDDEN, TOWER_HIDDEN), ".0.bias": rand(HIDDEN),
+                ".2.weight": rand(HIDDEN, HIDDEN), ".2.bias": rand(HIDDEN)}
+    return {".1.weight": 1 + rand(4 * TOWER_HIDDEN), ".1.bias": rand(4 * TOWER_HIDDEN),
+            ".2.weight": rand(HIDDEN, 4 * TOWER_HIDDEN), ".2.bias": rand(HIDDEN),
+            ".4.weight": rand(HIDDEN, HIDDEN), ".4.bias": rand(HIDDEN)}
+
+
+# --- the independent reference ----------------------------------------------------------------------------------
+
+
+def reference_features(vlm: TinyVlm, image: Image.Image) -> torch.Tensor:
+    """Features ``[N, HIDDEN]`` of one image, by transformers' processor and tower and hand-written projectors."""
+    image = image.convert("RGB")
+    if vlm.tower_type == "clip":
+        processor = CLIPImageProcessor(size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE})
+    else:
+        processor = SiglipImageProcessor(size={"height": IMAGE, "width": IMAGE})
+    if vlm.aspect == "pad":
+        image = _pad_to_square(image, processor.image_mean)
+    pixels = processor(images=image, return_tensors="pt")["pixel_values"]
+    with torch.no_grad():
+        hidden = vlm.tower(pixel_values=pixels, output_hidden_states=True).hidden_states[-2][0]
+    if vlm.tower_type == "clip":
+        hidden = hidden[1:]  # vision_select_feature "patch": the class token is dropped
+    return _project(vlm, hidden)
+
+
+def _pad_to_square(image: Image.Image, mean) -> Image.Image:
+    width, height = image.size
+    side = max(width, height)
+    square = Image.new("RGB", (side, side), tuple(int(255 * m) for m in mean))
+    square.paste(image, ((side - width) // 2, (side - height) // 2))
+    return square
+
+
+def _project(vlm: TinyVlm, x: torch.Tensor) -> torch.Tensor:
+    p = vlm.projector
+    gelu = torch.nn.functional.gelu
+    if vlm.projector_type == "linear":
+        return x @ p[".weight"].T + p[".bias"]
+    if vlm.projector_type == "mlp2x_gelu":
+        return gelu(x @ p[".0.weight"].T + p[".0.bias"]) @ p[".2.weight"].T + p[".2.bias"]
+    side = int(round(x.shape[0] ** 0.5))
+    grid = x.reshape(side, side, -1)
+    if side % 2:
+        grid = torch.nn.functional.pad(grid, (0, 0, 0, 1, 0, 1))
+        side += 1
+    # 2x2 merge as NeMo's DownSampleBlock: pairs along the second axis, swap the axes, pairs again.
+    merged = grid.reshape(side, side // 2, -1).transpose(0, 1).reshape(side // 2, side // 2, -1).reshape(-1, 4 * x.shape[1])
+    normed = torch.nn.functional.layer_norm(merged, (merged.shape[1],), p[".1.weight"], p[".1.bias"])
+    return gelu(normed @ p[".2.weight"].T + p[".2.bias"]) @ p[".4.weight"].T + p[".4.bias"]
+
+
+def reference_tokens(vlm: TinyVlm, question: str, image: Image.Image, steps: int,
+                     prompt: tuple[str, bool] | None = None) -> list[int]:
+    """Greedy ids of the reference: literal prompt (the template's, or ``prompt`` = (text, BOS)), pieces tokenized
+    apart, features spliced as embeddings."""
+    sp = sentencepiece.SentencePieceProcessor(model_file=str(vlm.sp_path))
+    text, add_bos = prompt or PROMPTS[vlm.template]
+    before, after = text.format(q=question).split("<image>")
+    ids_before = ([sp.bos_id()] if add_bos else []) + sp.encode(before)
+    embed = vlm.llm.get_input_embeddings()
+    with torch.no_grad():
+        sequence = torch.cat([embed(torch.tensor(ids_before)), reference_features(vlm, image),
+                              embed(torch.tensor(sp.encode(after)))])
+        generated: list[int] = []
+        for _ in range(steps):
+            token = int(vlm.llm(inputs_embeds=sequence[None]).logits[0, -1].argmax())
+            if token == sp.eos_id():
+                break
+            generated.append(token)
+            sequence = torch.cat([sequence, embed(torch.tensor([token]))])
+    return generated
+
+
+def random_image(seed: int, size=(56, 40)) -> Image.Image:
+    """A non-square random RGB picture (so resizing, cropping and padding matter)."""
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
