@@ -127,7 +127,7 @@ def _projector(projector_type: str, seed: int) -> dict[str, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed + 1)
 
     def rand(*shape):
-        return torch.randn(*shape, generator=generator) * 0.2
+        return torch.randn(*shape, generator=generator)
 
     if projector_type == "linear":
         return {".weight": rand(HIDDEN, TOWER_HIDDEN), ".bias": rand(HIDDEN)}
@@ -151,6 +151,8 @@ def reference_features(vlm: TinyVlm, image: Image.Image) -> torch.Tensor:
         processor = SiglipImageProcessor(size={"height": IMAGE, "width": IMAGE})
     if vlm.aspect == "pad":
         image = _pad_to_square(image, processor.image_mean)
+    elif vlm.aspect == "resize":  # VILA: a plain resize to the crop size first
+        image = image.resize((IMAGE, IMAGE), Image.Resampling.BICUBIC)
     pixels = processor(images=image, return_tensors="pt")["pixel_values"]
     with torch.no_grad():
         hidden = vlm.tower(pixel_values=pixels, output_hidden_states=True).hidden_states[-2][0]
@@ -185,18 +187,21 @@ def _project(vlm: TinyVlm, x: torch.Tensor) -> torch.Tensor:
     return gelu(normed @ p[".2.weight"].T + p[".2.bias"]) @ p[".4.weight"].T + p[".4.bias"]
 
 
-def reference_tokens(vlm: TinyVlm, question: str, image: Image.Image, steps: int,
+def reference_tokens(vlm: TinyVlm, question: str, images: Image.Image | list[Image.Image], steps: int,
                      prompt: tuple[str, bool] | None = None) -> list[int]:
-    """Greedy ids of the reference: literal prompt (the template's, or ``prompt`` = (text, BOS)), pieces tokenized
-    apart, features spliced as embeddings."""
+    """Greedy ids of the reference: literal prompt (the template's, or ``prompt`` = (text, BOS)), the pieces
+    around each ``<image>`` tokenized apart, each image's features spliced there as embeddings."""
     sp = sentencepiece.SentencePieceProcessor(model_file=str(vlm.sp_path))
     text, add_bos = prompt or PROMPTS[vlm.template]
-    before, after = text.format(q=question).split("<image>")
-    ids_before = ([sp.bos_id()] if add_bos else []) + sp.encode(before)
+    images = images if isinstance(images, list) else [images]
+    pieces = text.format(q=question).split("<image>")
+    assert len(pieces) == len(images) + 1
     embed = vlm.llm.get_input_embeddings()
     with torch.no_grad():
-        sequence = torch.cat([embed(torch.tensor(ids_before)), reference_features(vlm, image),
-                              embed(torch.tensor(sp.encode(after)))])
+        parts = [embed(torch.tensor(([sp.bos_id()] if add_bos else []) + sp.encode(pieces[0]), dtype=torch.long))]
+        for image, piece in zip(images, pieces[1:]):
+            parts += [reference_features(vlm, image), embed(torch.tensor(sp.encode(piece), dtype=torch.long))]
+        sequence = torch.cat(parts)
         generated: list[int] = []
         for _ in range(steps):
             token = int(vlm.llm(inputs_embeds=sequence[None]).logits[0, -1].argmax())
