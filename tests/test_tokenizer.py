@@ -20,7 +20,6 @@ from exporter.llm.tokenizer import (
 )
 
 
-
 @pytest.fixture(scope="module")
 def sp_model(tmp_path_factory) -> Path:
     return train_sentencepiece(tmp_path_factory.mktemp("sp") / "tokenizer.model")
