@@ -14,6 +14,7 @@ import numpy as np
 import sentencepiece
 import torch
 from conftest import train_sentencepiece
+from omegaconf import OmegaConf
 from PIL import Image
 from transformers import (
     CLIPImageProcessor,
@@ -69,8 +70,10 @@ def tokenizer_file(folder: Path) -> Path:
 
 
 def build_vlm(folder: Path, sp_path: Path, *, tower_type="clip", projector_type="mlp2x_gelu", layout="legacy",
-              tp_size=1, mcore=True, tower_at="checkpoint", template="v1", aspect="square", seed=0) -> TinyVlm:
-    """Write a tiny Neva-style ``.nemo``; ``tower_at`` is checkpoint | from_pretrained | vision_tower_path."""
+              tp_size=1, mcore=True, tower_at="checkpoint", template="v1", aspect="square", seed=0,
+              config_overrides: dict | None = None) -> TinyVlm:
+    """Write a tiny Neva-style ``.nemo``; ``tower_at`` is checkpoint | from_pretrained | vision_tower_path;
+    ``config_overrides`` are merged into model_config.yaml (e.g. the video types' ``data`` and ``mm_cfg.lita``)."""
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     vocab = 384  # the 300-piece SentencePiece vocab padded to a multiple of 128, as NeMo pads it
@@ -109,6 +112,8 @@ def build_vlm(folder: Path, sp_path: Path, *, tower_type="clip", projector_type=
                    "mm_mlp_adapter_type": projector_type, "use_im_start_end": False},
         "data": {"media_type": "image", "image_aspect_ratio": aspect, "conv_template": template},
     }
+    if config_overrides:
+        config = OmegaConf.to_container(OmegaConf.merge(config, config_overrides))
     nemo = write_nemo(folder / "model.nemo", config, weights, layout=layout, tp_size=tp_size, mcore=mcore,
                       artifacts={"tokenizer.model": sp_path})
     return TinyVlm(nemo, llm, tower.eval(), tower_type, projector_type, projector, sp_path, template, aspect,
