@@ -220,7 +220,7 @@ def _pipeline_request(row: RequestRow) -> Request:
     if row.media_bytes is not None:
         media: Any = row.media_bytes[0] if len(row.media_bytes) == 1 else list(row.media_bytes)
     elif row.media is not None:
-        media = list(row.media) if row.media.ndim == 4 else row.media
+        media = row.media  # [images or frames, H, W, 3]: the model type decides which
     else:
         media = row.signal
     return Request(row.text, media, params)

@@ -80,8 +80,13 @@ def test_server_answers_video_bytes(exported, videos):
     deployer.deploy()
     try:
         deployer.run()
+        expected = exporter.forward("describe the video", str(videos[0]), max_output_len=STEPS)
         with NemoQueryMultimodal(f"127.0.0.1:{http_port}", "video", model_type) as client:
             answer = client.query("describe the video", str(videos[0]), max_output_len=STEPS, init_timeout=120)
-        assert answer.tolist() == exporter.forward("describe the video", str(videos[0]), max_output_len=STEPS)
+        assert answer.tolist() == expected
+        # NeMo's wire format: decoded frames [T, H, W, 3] as input_media.
+        with NemoQueryMultimodal(f"127.0.0.1:{http_port}", "video", model_type, raw_pixels=True) as client:
+            answer = client.query("describe the video", str(videos[0]), max_output_len=STEPS, init_timeout=120)
+        assert answer.tolist() == expected
     finally:
         deployer.stop()
