@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import load_demo_builder
 
+from conftest import load_demo_builder
 from exporter import TensorRTMMExporter
 
 DEMO_NEMO = Path(__file__).resolve().parents[1] / "demo" / "neva_demo.nemo"

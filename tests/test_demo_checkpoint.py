@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from conftest import load_demo_builder
 from PIL import Image
 
+from conftest import load_demo_builder
 from exporter.models.templates import IMAGE_PLACEHOLDER, get_template
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,15 +16,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import wait_until_ready
 from PIL import Image
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
-from stub_model import StubMultimodalModel, describe_pixels, expected_answer
 
+from conftest import wait_until_ready
 from deploy import DeployError, DeployPyTriton, PortInUseError, RequestBatcher
 from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
+from stub_model import StubMultimodalModel, describe_pixels, expected_answer
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "stub"

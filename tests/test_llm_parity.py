@@ -9,7 +9,6 @@ import tarfile
 
 import pytest
 import torch
-from conftest import train_sentencepiece
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -19,6 +18,7 @@ from transformers import (
     NemotronForCausalLM,
 )
 
+from conftest import train_sentencepiece
 from exporter.checkpoint import NemoCheckpoint
 from exporter.llm import Decoder, DecoderConfig, SamplingParams, load_llm
 from exporter.llm.generate import generate

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from vlm_fixtures import build_vlm, random_image, reference_tokens, tokenizer_file
 
 from exporter import TensorRTMMExporter
 from exporter.engine import EngineError, LimitError
 from exporter.llm.generate import SamplingParams
 from exporter.runtime import Request
+from vlm_fixtures import build_vlm, random_image, reference_tokens, tokenizer_file
 
 STEPS = 8
 QUESTION = "describe the image"

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import load_demo_builder, wait_until_ready
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
+from conftest import load_demo_builder, wait_until_ready
 from deploy import DeployPyTriton
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter

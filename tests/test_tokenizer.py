@@ -4,12 +4,12 @@ from pathlib import Path
 
 import pytest
 import sentencepiece
-from conftest import train_sentencepiece
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from conftest import train_sentencepiece
 from exporter.checkpoint import NemoCheckpoint
 from exporter.llm.tokenizer import (
     HuggingFaceTokenizer,

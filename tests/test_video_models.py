@@ -7,7 +7,6 @@ from typing import ClassVar
 import numpy as np
 import pytest
 import torch
-from conftest import train_sentencepiece
 from omegaconf import OmegaConf
 from test_llm_parity import HIDDEN, llama_nemo_config, tiny_llama
 from test_video import lossless_video, random_frames
@@ -25,6 +24,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
+from conftest import train_sentencepiece
 from exporter.engine.directory import export_engine, load_engine
 from exporter.engine.limits import EngineLimits
 from exporter.llm.generate import SamplingParams

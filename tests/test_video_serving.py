@@ -6,12 +6,12 @@ from __future__ import annotations
 import av
 import numpy as np
 import pytest
-from vlm_fixtures import build_vlm, tokenizer_file
 
 from deploy import DeployPyTriton
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from query import NemoQueryMultimodal
+from vlm_fixtures import build_vlm, tokenizer_file
 
 STEPS = 5
 LITA = {"use_lita": True, "lita": {"visual_token_format": "im_vid_start_end", "lita_video_arch": "temporal_all_resolution",

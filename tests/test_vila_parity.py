@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from vlm_fixtures import CHAT, build_vlm, random_image, reference_tokens, tokenizer_file
 
 from exporter import TensorRTMMExporter
+from vlm_fixtures import CHAT, build_vlm, random_image, reference_tokens, tokenizer_file
 
 STEPS = 6
 TWO_IMAGES = "<image>\n<image>\ndescribe the image"

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import sentencepiece
 import torch
-from conftest import train_sentencepiece
 from omegaconf import OmegaConf
 from PIL import Image
 from transformers import (
@@ -27,6 +26,7 @@ from transformers import (
     SiglipVisionModel,
 )
 
+from conftest import train_sentencepiece
 from exporter.nemo_writer import hf_llama_to_nemo, write_nemo
 
 HIDDEN, HEADS, GROUPS, FFN, LAYERS = 64, 4, 2, 128, 2

@@ -211,7 +211,7 @@ class _Request:
         return any(s in text for s in self.params.stop)
 
 
-class _Sampling(_Request):
+class TokenSampler(_Request):
     """Greedy or sampled decoding of one sequence."""
 
     def __init__(self, *args, device: torch.device):
@@ -225,15 +225,28 @@ class _Sampling(_Request):
             else:
                 self.generator.manual_seed(self.params.seed)
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with no penalty: the token is the row's argmax, so a batch can pick it for every row at once."""
+        return self.generator is None and self.params.repetition_penalty == 1.0
+
     def step(self, logits: Tensor) -> tuple[Tensor, None]:
-        scores = self.penalized(logits[0], self.tokens)
-        token = int(scores.argmax()) if self.generator is None else self._sample(scores)
+        token = self.choose(logits[0])
+        self.accept(token)
+        return torch.tensor([token], device=logits.device), None
+
+    def choose(self, logits: Tensor) -> int:
+        """The next token for the row's `logits [V]` (penalised, then argmax or sampled)."""
+        scores = self.penalized(logits, self.tokens)
+        return int(scores.argmax()) if self.generator is None else self._sample(scores)
+
+    def accept(self, token: int) -> None:
+        """Record `token`; the request is done at EOS, at max_output_len or at a stop string."""
         if token == self.eos_id:
             self.done = True
         else:
             self.tokens.append(token)
             self.done = len(self.tokens) == self.params.max_output_len or self.hits_stop(self.tokens)
-        return torch.tensor([token], device=logits.device), None
 
     def _sample(self, scores: Tensor) -> int:
         p = self.params
@@ -330,4 +343,4 @@ def _make_request(
 ) -> _Request:
     if params.num_beams > 1:
         return _BeamSearch(params, prompt_ids, eos_id, tokenizer)
-    return _Sampling(params, prompt_ids, eos_id, tokenizer, device=device)
+    return TokenSampler(params, prompt_ids, eos_id, tokenizer, device=device)

@@ -1,0 +1,159 @@
+"""The in-flight scheduler on the CPU: admission into free slots, slot reuse, per-request parameters, stop
+conditions, streaming order and cancellation, each checked against generate() run on the request alone."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from conftest import make_tiny_gpt_weights
+from exporter.llm.config import DecoderConfig
+from exporter.llm.generate import SamplingParams, generate
+from exporter.llm.model import Decoder, select_llm_weights
+from exporter.runtime.scheduler import RequestCancelled, Scheduler
+
+CONFIG = {
+    "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 48, "num_attention_heads": 4, "num_query_groups": 2,
+    "kv_channels": 8, "activation": "fast-swiglu", "normalization": "rmsnorm", "bias": False,
+    "position_embedding_type": "rope", "rotary_percentage": 1.0, "rotary_base": 10000,
+    "share_embeddings_and_output_weights": False, "layernorm_epsilon": 1e-5, "max_position_embeddings": 256,
+}
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    torch.manual_seed(0)
+    weights = {k: v for k, v in make_tiny_gpt_weights({**CONFIG, "bias": False}, vocab=VOCAB).items()
+               if not k.endswith(".bias")}
+    return Decoder.from_state_dict(DecoderConfig.from_nemo(CONFIG, vocab_size=VOCAB), select_llm_weights(weights))
+
+
+def _prompt(model: Decoder, seed: int, length: int) -> tuple[torch.Tensor, list[int]]:
+    ids = torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+    return model.embed(ids), ids.tolist()
+
+
+def _alone(model: Decoder, prompt, ids, params: SamplingParams) -> list[int]:
+    return generate(model, [prompt], [ids], [params], eos_id=None)[0][0]
+
+
+def _run(scheduler: Scheduler) -> int:
+    steps = 0
+    while scheduler.step():
+        steps += 1
+        assert steps < 10_000
+    return steps
+
+
+REQUESTS = [
+    (1, 5, SamplingParams(max_output_len=12)),
+    (2, 9, SamplingParams(max_output_len=7, repetition_penalty=1.3)),
+    (3, 3, SamplingParams(max_output_len=10, top_k=0, top_p=0.9, temperature=0.8, seed=11)),
+    (4, 14, SamplingParams(max_output_len=4)),
+    (5, 6, SamplingParams(max_output_len=9, top_k=5, temperature=1.5, seed=3)),
+]
+
+
+def test_requests_share_few_slots_and_each_gets_its_own_answer(model):
+    scheduler = Scheduler(model, max_slots=2, max_seq_len=64, eos_id=None)
+    occupancy: list[int] = []
+    handles = []
+    for seed, length, params in REQUESTS:
+        prompt, ids = _prompt(model, seed, length)
+        handles.append((scheduler.submit(prompt, ids, params), prompt, ids, params))
+    while scheduler.step():
+        occupancy.append(sum(slot is not None for slot in scheduler.slots))
+    assert max(occupancy) == 2 and len(occupancy) < sum(p.max_output_len for *_, p in REQUESTS)
+    for handle, prompt, ids, params in handles:
+        assert handle.result(timeout=0) == _alone(model, prompt, ids, params)
+
+
+def test_newcomers_join_a_running_batch(model):
+    scheduler = Scheduler(model, max_slots=4, max_seq_len=64, eos_id=None)
+    first = scheduler.submit(*_prompt(model, 7, 5), SamplingParams(max_output_len=20))
+    for _ in range(5):
+        scheduler.step()
+    late_prompt, late_ids = _prompt(model, 8, 11)
+    late = scheduler.submit(late_prompt, late_ids, SamplingParams(max_output_len=6))
+    scheduler.step()
+    assert sum(slot is not None for slot in scheduler.slots) == 2  # admitted between steps, decoding jointly
+    _run(scheduler)
+    assert late.result(timeout=0) == _alone(model, late_prompt, late_ids, SamplingParams(max_output_len=6))
+    assert len(first.result(timeout=0)) == 20
+
+
+def test_stop_conditions(model):
+    prompt, ids = _prompt(model, 9, 6)
+    full = _alone(model, prompt, ids, SamplingParams(max_output_len=10))
+    end_id = full[4]
+    stop_at = full.index(end_id)
+    scheduler = Scheduler(model, max_slots=2, max_seq_len=64, eos_id=None)
+    by_end_id = scheduler.submit(prompt, ids, SamplingParams(max_output_len=10, end_id=end_id))
+    by_eos = Scheduler(model, max_slots=1, max_seq_len=64, eos_id=end_id)
+    by_eos_handle = by_eos.submit(prompt, ids, SamplingParams(max_output_len=10))
+    _run(scheduler)
+    _run(by_eos)
+    assert by_end_id.result(timeout=0) == full[:stop_at] == by_eos_handle.result(timeout=0)
+
+
+def test_streaming_callback_sees_tokens_in_order(model):
+    scheduler = Scheduler(model, max_slots=2, max_seq_len=64, eos_id=None)
+    streamed: dict[int, list[int]] = {0: [], 1: []}
+    handles = [scheduler.submit(*_prompt(model, 20 + k, 4 + k), SamplingParams(max_output_len=8),
+                                on_token=streamed[k].append) for k in (0, 1)]
+    _run(scheduler)
+    for k, handle in enumerate(handles):
+        assert streamed[k] == handle.result(timeout=0) and len(streamed[k]) == 8
+
+
+def test_cancelled_request_frees_its_slot_and_others_continue(model):
+    scheduler = Scheduler(model, max_slots=1, max_seq_len=64, eos_id=None)
+    seen: list[int] = []
+
+    def cancel_after_three(token: int) -> None:
+        seen.append(token)
+        if len(seen) == 3:
+            victim.cancel()
+
+    victim = scheduler.submit(*_prompt(model, 30, 5), SamplingParams(max_output_len=40), on_token=cancel_after_three)
+    prompt, ids = _prompt(model, 31, 7)
+    waiting = scheduler.submit(prompt, ids, SamplingParams(max_output_len=5))
+    steps = _run(scheduler)
+    with pytest.raises(RequestCancelled, match="after 3 tokens"):
+        victim.result(timeout=0)
+    assert waiting.result(timeout=0) == _alone(model, prompt, ids, SamplingParams(max_output_len=5))
+    assert steps < 40
+
+
+def test_background_loop_serves_concurrent_submitters(model):
+    scheduler = Scheduler(model, max_slots=3, max_seq_len=64, eos_id=None)
+    scheduler.start()
+    try:
+        results: dict[int, list[int]] = {}
+
+        def client(k: int) -> None:
+            prompt, ids = _prompt(model, 40 + k, 3 + k)
+            results[k] = scheduler.submit(prompt, ids, SamplingParams(max_output_len=6)).result(timeout=60)
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        scheduler.stop()
+    for k in range(6):
+        prompt, ids = _prompt(model, 40 + k, 3 + k)
+        assert results[k] == _alone(model, prompt, ids, SamplingParams(max_output_len=6))
+
+
+def test_limits_and_beams_are_refused(model):
+    scheduler = Scheduler(model, max_slots=1, max_seq_len=16, eos_id=None)
+    prompt, ids = _prompt(model, 50, 10)
+    with pytest.raises(ValueError, match="max_seq_len=16"):
+        scheduler.submit(prompt, ids, SamplingParams(max_output_len=10))
+    with pytest.raises(ValueError, match="beam"):
+        scheduler.submit(prompt, ids, SamplingParams(max_output_len=2, num_beams=2))
