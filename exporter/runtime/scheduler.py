@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ..llm.generate import SamplingParams, TokenSampler
-from ..llm.model import Decoder, KVCache
+from ..llm.model import Decoder
 from ..llm.tokenizer import Tokenizer
 from .cuda_graphs import DecodeStep
 
@@ -147,33 +147,46 @@ class Scheduler:
         return bool(self.waiting) or any(self.slots)
 
     def _admit(self) -> None:
-        while True:
-            with self._wake:
-                free = next((i for i, slot in enumerate(self.slots) if slot is None), None)
-                if free is None or not self.waiting:
-                    return
+        """Move waiting requests into free slots and prefill all newcomers in one batched forward pass."""
+        newcomers: list[tuple[int, Handle]] = []
+        with self._wake:
+            free = [i for i, slot in enumerate(self.slots) if slot is None]
+            while free and self.waiting:
                 handle = self.waiting.popleft()
-            if handle.cancelled:
-                handle._finish()
-                continue
+                if handle.cancelled:
+                    handle._finish()
+                else:
+                    newcomers.append((free.pop(0), handle))
+        if newcomers:
             try:
-                self._prefill(free, handle)
-            except Exception as error:  # noqa: BLE001 - the failure belongs to this request only
-                handle._finish(error)
+                self._prefill(newcomers)
+            except Exception as error:  # noqa: BLE001 - the failure belongs to these requests only
+                for _, handle in newcomers:
+                    handle._finish(error)
 
-    def _prefill(self, index: int, handle: Handle) -> None:
-        vocab = self.model.config.vocab_size
-        sampler = TokenSampler(handle.params, [t for t in handle.prompt_ids if 0 <= t < vocab], self.eos_id,
-                               self.tokenizer, device=self.model.device)
-        length = len(handle.prompt)
-        row_cache = KVCache(self.cache.keys[:, index:index + 1], self.cache.values[:, index:index + 1])
-        positions = torch.arange(length, device=self.model.device)[None]
-        logits = self.model(handle.prompt[None].to(self.model.device), positions, row_cache, kv_len=length,
-                            output_index=torch.tensor([length - 1], device=self.model.device))[0, 0].float()
-        handle.tokens = sampler.tokens  # the sampler appends each kept token
-        slot = _Slot(handle, sampler, length, 0)
-        self.slots[index] = slot
-        self._advance(index, slot, sampler.choose(logits))
+    def _prefill(self, newcomers: list[tuple[int, Handle]]) -> None:
+        """Run the newcomers' prompts right-padded in a scratch cache, copy each row into its slot, pick the first
+        token of each."""
+        device, vocab = self.model.device, self.model.config.vocab_size
+        lengths = [len(handle.prompt) for _, handle in newcomers]
+        longest = max(lengths)
+        padded = torch.zeros(len(newcomers), longest, self.model.config.hidden_size, dtype=self.model.dtype,
+                             device=device)
+        for row, (_, handle) in enumerate(newcomers):
+            padded[row, : len(handle.prompt)] = handle.prompt.to(padded)
+        scratch = self.model.new_kv_cache(len(newcomers), longest)
+        positions = torch.arange(longest, device=device).expand(len(newcomers), -1)
+        last = torch.tensor(lengths, device=device) - 1
+        logits = self.model(padded, positions, scratch, kv_len=longest, output_index=last)[:, 0].float()
+        for row, ((index, handle), length) in enumerate(zip(newcomers, lengths)):
+            self.cache.keys[:, index, :, :length] = scratch.keys[:, row, :, :length]
+            self.cache.values[:, index, :, :length] = scratch.values[:, row, :, :length]
+            sampler = TokenSampler(handle.params, [t for t in handle.prompt_ids if 0 <= t < vocab], self.eos_id,
+                                   self.tokenizer, device=device)
+            handle.tokens = sampler.tokens  # the sampler appends each kept token
+            slot = _Slot(handle, sampler, length, 0)
+            self.slots[index] = slot
+            self._advance(index, slot, sampler.choose(logits[row]))
 
     def _pick(self, occupied: list[int], logits: Tensor) -> None:
         greedy = logits.argmax(-1).tolist()
