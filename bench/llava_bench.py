@@ -1,0 +1,242 @@
+"""Ours against transformers on a LLaVA-1.5-7B-shaped model with random bf16 weights, measured in one run.
+
+Both sides share the same weights and prompts. Measured: copy bandwidth (the decode roofline), CLIP-L/336 at
+batch 1 and 8, time to first token for one image + 32 text tokens, decode ms/step at batch 1, 8 and 32, and the
+throughput of 32 concurrent 128-token requests through the in-flight scheduler. Prints a table with ratios and
+writes ``$OUT/llava_bench.json``.
+
+    python bench/llava_bench.py            # on a CUDA GPU, the real shape in bf16
+    python bench/llava_bench.py --tiny     # a tiny shape on the CPU in float32: checks that the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+
+from exporter.llm.config import DecoderConfig
+from exporter.llm.generate import SamplingParams
+from exporter.llm.model import Decoder
+from exporter.nemo_writer import hf_llama_to_nemo
+from exporter.perception.vision_encoder import build_vision_encoder
+from exporter.runtime.cuda_graphs import GraphedCall
+from exporter.runtime.scheduler import Scheduler
+
+FULL = {"vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                       image_size=336, patch_size=14),
+        "llm": dict(vocab_size=32064, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=32)}
+TINY = {"vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                       image_size=28, patch_size=14),
+        "llm": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=4)}
+PROMPT_TOKENS, NEW_TOKENS, IMAGE_TOKEN = 32, 128, 32000
+
+
+def timed(fn: Callable[[], object], device: torch.device, warm: int = 2, reps: int = 5) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` runs after ``warm`` runs."""
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def copy_bandwidth(device: torch.device, elements: int) -> float:
+    """Device-to-device copy bandwidth in TB/s (bytes read + written), the input of the decode roofline."""
+    source = torch.empty(elements, dtype=torch.bfloat16, device=device)
+    target = torch.empty_like(source)
+    return 2 * source.numel() * 2 / timed(lambda: target.copy_(source), device, 2, 5) / 1e9
+
+
+def build_models(shape: dict, device: torch.device, dtype: torch.dtype):
+    """transformers' LLaVA and ours (decoder + vision encoder) sharing the same random weights."""
+    vision = CLIPVisionConfig(**shape["vision"])
+    text = LlamaConfig(**shape["llm"], max_position_embeddings=4096)
+    image_token = min(IMAGE_TOKEN, shape["llm"]["vocab_size"] - 1)
+    config = LlavaConfig(vision_config=vision, text_config=text, image_token_index=image_token,
+                         vision_feature_layer=-2, vision_feature_select_strategy="default")
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = LlavaForConditionalGeneration(config).to(dtype).eval()
+    llm_weights = {k.replace("model.language_model.", "model."): v for k, v in hf.state_dict().items()
+                   if k.startswith("model.language_model.") or k == "lm_head.weight"}
+    heads = shape["llm"]["num_attention_heads"]
+    canonical = hf_llama_to_nemo(llm_weights, heads, shape["llm"]["num_key_value_heads"])
+    nemo_cfg = {"num_layers": text.num_hidden_layers, "hidden_size": text.hidden_size,
+                "ffn_hidden_size": text.intermediate_size, "num_attention_heads": heads,
+                "num_query_groups": text.num_key_value_heads, "normalization": "rmsnorm",
+                "layernorm_epsilon": text.rms_norm_eps, "activation": "fast-swiglu", "bias": False,
+                "position_embedding_type": "rope", "rotary_base": 10000, "max_position_embeddings": 4096,
+                "share_embeddings_and_output_weights": False}
+    decoder = Decoder.from_state_dict(DecoderConfig.from_nemo(nemo_cfg, vocab_size=text.vocab_size), canonical)
+    projector = hf.model.multi_modal_projector
+    prefix = "embedding.word_embeddings."
+    vision_weights = {f"{prefix}vision_encoder.{k}": v for k, v in hf.model.vision_tower.state_dict().items()}
+    vision_weights.update({f"{prefix}adapter_layer.mm_projector_adapter.mm_projector.{i}.{p}": getattr(layer, p)
+                           for i, layer in ((0, projector.linear_1), (2, projector.linear_2))
+                           for p in ("weight", "bias")})
+    mm_cfg = {"hidden_size": text.hidden_size, "mm_cfg": {
+        "mm_mlp_adapter_type": "mlp2x_gelu",
+        "vision_encoder": {"model_type": "clip", "hidden_size": vision.hidden_size,
+                           "num_layers": vision.num_hidden_layers, "num_attention_heads": vision.num_attention_heads,
+                           "ffn_hidden_size": vision.intermediate_size, "patch_dim": vision.patch_size,
+                           "image_size": vision.image_size, "crop_size": [vision.image_size] * 2,
+                           "hidden_act": vision.hidden_act, "layernorm_epsilon": vision.layer_norm_eps,
+                           "vision_select_layer": -2, "vision_select_feature": "patch", "freeze": False}}}
+    encoder = build_vision_encoder(mm_cfg, vision_weights, dtype=dtype).to(device)
+    return hf, decoder, encoder, image_token
+
+
+def run(tiny: bool) -> dict:
+    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    shape = TINY if tiny else FULL
+    result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__, "dtype": str(dtype)}
+
+    result["copy_TBps"] = copy_bandwidth(device, 2 * 1024**3 // (64 if tiny else 1))
+
+    hf, decoder, encoder, image_token = build_models(shape, device, dtype)
+    weight_bytes = sum(t.numel() * t.element_size() for t in decoder.state_dict().values())
+    result["roofline_ms_per_step"] = weight_bytes / (result["copy_TBps"] * 1e12) * 1e3
+    size = shape["vision"]["image_size"]
+    graphed_encoder = GraphedCall(encoder, (3, size, size), dtype, device, 8, enabled=True)
+
+    with torch.inference_mode():
+        for batch in (1, 8):
+            pixels = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
+            result[f"clip_ms_bs{batch}_ours"] = timed(lambda: graphed_encoder(pixels), device)
+            result[f"clip_ms_bs{batch}_hf"] = timed(
+                lambda: hf.model.vision_tower(pixels, output_hidden_states=True), device)
+        _measure_ttft(result, hf, decoder, graphed_encoder, image_token, size, device, dtype)
+        for batch in (1, 8, 32):
+            _measure_decode(result, hf, decoder, batch, device, tiny)
+        _measure_throughput(result, decoder, device, tiny)
+    return result
+
+
+def _text_ids(batch: int, vocab: int, device) -> torch.Tensor:
+    return torch.randint(100, min(31000, vocab - 1), (batch, PROMPT_TOKENS), device=device,
+                         generator=torch.Generator(device).manual_seed(batch))
+
+
+def _measure_ttft(result, hf, decoder, graphed_encoder, image_token, size, device, dtype) -> None:
+    """One image (placed after 5 text tokens) + 32 text tokens, until the first generated token."""
+    ids = _text_ids(1, decoder.config.vocab_size, device)
+    pixels = torch.randn(1, 3, size, size, device=device, dtype=dtype)
+    scheduler = Scheduler(decoder, max_slots=1, max_seq_len=1024, eos_id=None)
+
+    def ours() -> None:
+        features = graphed_encoder(pixels)[0]
+        embeds = torch.cat([decoder.embed(ids[0, :5]), features, decoder.embed(ids[0, 5:])])
+        handle = scheduler.submit(embeds, [-1] * len(embeds), SamplingParams(max_output_len=1))
+        while scheduler.step():
+            pass
+        handle.result()
+
+    patches = graphed_encoder(pixels).shape[1]
+    hf_ids = torch.cat([ids[:, :5], torch.full((1, patches), image_token, device=device), ids[:, 5:]], dim=1)
+
+    def theirs() -> None:
+        hf.generate(input_ids=hf_ids, pixel_values=pixels, attention_mask=torch.ones_like(hf_ids),
+                    max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
+
+    result["ttft_ms_ours"] = timed(ours, device, 2, 5)
+    result["ttft_ms_hf"] = timed(theirs, device, 1, 3)
+
+
+def _measure_decode(result, hf, decoder, batch: int, device, tiny: bool) -> None:
+    """Steady decode ms/step at ``batch`` requests (608-token prompts): ours through the scheduler's captured
+    steps, transformers' generate (all new tokens minus the first) with the same prompt embeddings."""
+    steps = 16 if tiny else NEW_TOKENS
+    prompt = torch.randn(batch, PROMPT_TOKENS + 576, decoder.config.hidden_size, device=device,
+                         dtype=decoder.dtype) * 0.02
+    scheduler = Scheduler(decoder, max_slots=batch, max_seq_len=PROMPT_TOKENS + 576 + steps + 1, eos_id=None)
+
+    def ours() -> float:
+        handles = [scheduler.submit(prompt[i], [-1] * prompt.shape[1], SamplingParams(max_output_len=steps))
+                   for i in range(batch)]
+        scheduler.step()  # admission: batched prefill and the first token
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        while scheduler.step():
+            pass
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        assert all(len(h.result()) == steps for h in handles)
+        return (time.perf_counter() - start) * 1e3 / (steps - 1)
+
+    ours()  # captures the graphs
+    result[f"decode_ms_bs{batch}_ours"] = sorted(ours() for _ in range(3))[1]
+
+    mask = torch.ones(batch, prompt.shape[1], dtype=torch.long, device=device)
+
+    def generate(tokens: int) -> None:
+        hf.generate(inputs_embeds=prompt, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
+                    do_sample=False, pad_token_id=0)
+
+    first = timed(lambda: generate(1), device, 1, 3)
+    full = timed(lambda: generate(steps), device, 1, 3)
+    result[f"decode_ms_bs{batch}_hf"] = (full - first) / (steps - 1)
+
+
+def _measure_throughput(result, decoder, device, tiny: bool) -> None:
+    """32 concurrent requests of 32 prompt tokens and 128 new tokens each, submitted at once."""
+    requests, steps = 32, 16 if tiny else NEW_TOKENS
+    ids = _text_ids(requests, decoder.config.vocab_size, device)
+    scheduler = Scheduler(decoder, max_slots=requests, max_seq_len=PROMPT_TOKENS + steps + 1, eos_id=None)
+
+    def ours() -> None:
+        handles = [scheduler.submit(decoder.embed(ids[i]), ids[i].tolist(), SamplingParams(max_output_len=steps))
+                   for i in range(requests)]
+        while scheduler.step():
+            pass
+        assert sum(len(h.result()) for h in handles) == requests * steps
+
+    milliseconds = timed(ours, device, 1, 3)
+    result["throughput_tok_s_32x128_ours"] = requests * steps / (milliseconds / 1e3)
+
+
+def report(result: dict) -> str:
+    rows = [("CLIP-L/336 bs1 ms", "clip_ms_bs1"), ("CLIP-L/336 bs8 ms", "clip_ms_bs8"),
+            ("TTFT 1 image + 32 tokens ms", "ttft_ms"), ("decode bs1 ms/step", "decode_ms_bs1"),
+            ("decode bs8 ms/step", "decode_ms_bs8"), ("decode bs32 ms/step", "decode_ms_bs32")]
+    lines = [f"device {result['device']}, {result['dtype']}, copy {result['copy_TBps']:.2f} TB/s, "
+             f"roofline {result['roofline_ms_per_step']:.2f} ms/step",
+             f"{'metric':32} {'ours':>10} {'transformers':>13} {'ours/hf':>8} {'ours/roofline':>14}"]
+    for label, key in rows:
+        ours, theirs = result[f"{key}_ours"], result[f"{key}_hf"]
+        roof = f"{result['roofline_ms_per_step'] / ours:14.2f}" if key.startswith("decode_ms_bs1") else " " * 14
+        lines.append(f"{label:32} {ours:10.2f} {theirs:13.2f} {ours / theirs:8.2f} {roof}")
+    lines.append(f"{'32 x 128-token requests tok/s':32} {result['throughput_tok_s_32x128_ours']:10.0f}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test, no timing value)")
+    args = parser.parse_args()
+    result = run(args.tiny)
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "llava_bench.json"), "w") as stream:
+        json.dump(result, stream, indent=1)
+    print(report(result))
+
+
+if __name__ == "__main__":
+    main()
