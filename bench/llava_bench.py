@@ -2,8 +2,8 @@
 
 Both sides share the same weights and prompts. Measured: copy bandwidth (the decode roofline), CLIP-L/336 at
 batch 1 and 8, time to first token for one image + 32 text tokens, decode ms/step at batch 1, 8 and 32, and the
-throughput of 32 concurrent 128-token requests through the in-flight scheduler. Prints a table with ratios and
-writes ``$OUT/llava_bench.json``.
+throughput of 32 concurrent 128-token requests through the in-flight scheduler; on CUDA also where a decode step's
+time goes (``breakdown.py``). Prints a table with ratios and writes ``$OUT/llava_bench.json``.
 
     python bench/llava_bench.py            # on a CUDA GPU, the real shape in bf16
     python bench/llava_bench.py --tiny     # a tiny shape on the CPU in float32: checks that the script runs
@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 import torch
+import transformers
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
 from exporter.llm.config import DecoderConfig
@@ -36,7 +37,12 @@ TINY = {"vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2
                        image_size=28, patch_size=14),
         "llm": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=4)}
-PROMPT_TOKENS, NEW_TOKENS, IMAGE_TOKEN = 32, 128, 32000
+PROMPT_TOKENS, NEW_TOKENS, IMAGE_TOKEN, IMAGE_FEATURES = 32, 128, 32000, 576
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def timed(fn: Callable[[], object], device: torch.device, warm: int = 2, reps: int = 5) -> float:
@@ -45,21 +51,19 @@ def timed(fn: Callable[[], object], device: torch.device, warm: int = 2, reps: i
         fn()
     times = []
     for _ in range(reps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         start = time.perf_counter()
         fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
     return sorted(times)[len(times) // 2]
 
 
 def copy_bandwidth(device: torch.device, elements: int) -> float:
     """Device-to-device copy bandwidth in TB/s (bytes read + written), the input of the decode roofline."""
-    source = torch.empty(elements, dtype=torch.bfloat16, device=device)
+    source = torch.randn(elements, dtype=torch.bfloat16, device=device)
     target = torch.empty_like(source)
-    return 2 * source.numel() * 2 / timed(lambda: target.copy_(source), device, 2, 5) / 1e9
+    return 2 * source.numel() * 2 / timed(lambda: target.copy_(source), device, 3, 10) / 1e9
 
 
 def build_models(shape: dict, device: torch.device, dtype: torch.dtype):
@@ -101,31 +105,42 @@ def build_models(shape: dict, device: torch.device, dtype: torch.dtype):
     return hf, decoder, encoder, image_token
 
 
+def kv_bytes_per_token(decoder: Decoder) -> int:
+    c = decoder.config
+    return 2 * c.num_layers * c.num_query_groups * c.head_dim * decoder.dtype.itemsize
+
+
 def run(tiny: bool) -> dict:
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     shape = TINY if tiny else FULL
     result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                    "torch": torch.__version__, "dtype": str(dtype)}
-
+                    "torch": torch.__version__, "transformers": transformers.__version__, "dtype": str(dtype)}
     result["copy_TBps"] = copy_bandwidth(device, 2 * 1024**3 // (64 if tiny else 1))
 
     hf, decoder, encoder, image_token = build_models(shape, device, dtype)
-    weight_bytes = sum(t.numel() * t.element_size() for t in decoder.state_dict().values())
-    result["roofline_ms_per_step"] = weight_bytes / (result["copy_TBps"] * 1e12) * 1e3
+    result["weight_GB"] = sum(t.numel() * t.element_size() for t in decoder.state_dict().values()) / 1e9
     size = shape["vision"]["image_size"]
-    graphed_encoder = GraphedCall(encoder, (3, size, size), dtype, device, 8, enabled=True)
+    graphed_encoder = GraphedCall(encoder, (3, size, size), dtype, device, 8)
 
     with torch.inference_mode():
         for batch in (1, 8):
             pixels = torch.randn(batch, 3, size, size, device=device, dtype=dtype)
-            result[f"clip_ms_bs{batch}_ours"] = timed(lambda: graphed_encoder(pixels), device)
+            result[f"clip_ms_bs{batch}_ours"] = timed(lambda: graphed_encoder(pixels), device, 3, 10)
             result[f"clip_ms_bs{batch}_hf"] = timed(
-                lambda: hf.model.vision_tower(pixels, output_hidden_states=True), device)
+                lambda: hf.model.vision_tower(pixels, output_hidden_states=True), device, 3, 10)
         _measure_ttft(result, hf, decoder, graphed_encoder, image_token, size, device, dtype)
         for batch in (1, 8, 32):
             _measure_decode(result, hf, decoder, batch, device, tiny)
-        _measure_throughput(result, decoder, device, tiny)
+        _measure_throughput(result, hf, decoder, device, tiny)
+        if device.type == "cuda":
+            from breakdown import decode_breakdown, prefill_breakdown
+
+            try:  # a diagnosis: its failure must not cost the table
+                result.update(prefill_breakdown(decoder, PROMPT_TOKENS + IMAGE_FEATURES))
+                result.update(decode_breakdown(decoder, context=PROMPT_TOKENS + IMAGE_FEATURES + NEW_TOKENS // 2))
+            except Exception as error:  # noqa: BLE001
+                result["breakdown_error"] = repr(error)[:500]
     return result
 
 
@@ -155,36 +170,39 @@ def _measure_ttft(result, hf, decoder, graphed_encoder, image_token, size, devic
         hf.generate(input_ids=hf_ids, pixel_values=pixels, attention_mask=torch.ones_like(hf_ids),
                     max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
 
-    result["ttft_ms_ours"] = timed(ours, device, 2, 5)
-    result["ttft_ms_hf"] = timed(theirs, device, 1, 3)
+    result["ttft_ms_ours"] = timed(ours, device, 3, 10)
+    result["ttft_ms_hf"] = timed(theirs, device, 1, 5)
 
 
 def _measure_decode(result, hf, decoder, batch: int, device, tiny: bool) -> None:
     """Steady decode ms/step at ``batch`` requests (608-token prompts): ours through the scheduler's captured
     steps, transformers' generate (all new tokens minus the first) with the same prompt embeddings."""
     steps = 16 if tiny else NEW_TOKENS
-    prompt = torch.randn(batch, PROMPT_TOKENS + 576, decoder.config.hidden_size, device=device,
-                         dtype=decoder.dtype) * 0.02
-    scheduler = Scheduler(decoder, max_slots=batch, max_seq_len=PROMPT_TOKENS + 576 + steps + 1, eos_id=None)
+    context = PROMPT_TOKENS + IMAGE_FEATURES
+    prompt = torch.randn(batch, context, decoder.config.hidden_size, device=device, dtype=decoder.dtype) * 0.02
+    scheduler = Scheduler(decoder, max_slots=batch, max_seq_len=context + steps + 1, eos_id=None)
 
     def ours() -> float:
-        handles = [scheduler.submit(prompt[i], [-1] * prompt.shape[1], SamplingParams(max_output_len=steps))
+        handles = [scheduler.submit(prompt[i], [-1] * context, SamplingParams(max_output_len=steps))
                    for i in range(batch)]
-        scheduler.step()  # admission: batched prefill and the first token
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        scheduler.step()  # admission: batched prefill, the first token and the first decode step
+        synchronize(device)
         start = time.perf_counter()
         while scheduler.step():
             pass
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         assert all(len(h.result()) == steps for h in handles)
-        return (time.perf_counter() - start) * 1e3 / (steps - 1)
+        return (time.perf_counter() - start) * 1e3 / (steps - 2)
 
-    ours()  # captures the graphs
+    start = time.perf_counter()
+    ours()  # compiles and captures the graphs
+    result[f"first_run_s_bs{batch}"] = time.perf_counter() - start
     result[f"decode_ms_bs{batch}_ours"] = sorted(ours() for _ in range(3))[1]
+    average_context = context + steps / 2
+    roofline_bytes = result["weight_GB"] * 1e9 + batch * average_context * kv_bytes_per_token(decoder)
+    result[f"decode_ms_bs{batch}_roofline"] = roofline_bytes / (result["copy_TBps"] * 1e12) * 1e3
 
-    mask = torch.ones(batch, prompt.shape[1], dtype=torch.long, device=device)
+    mask = torch.ones(batch, context, dtype=torch.long, device=device)
 
     def generate(tokens: int) -> None:
         hf.generate(inputs_embeds=prompt, attention_mask=mask, max_new_tokens=tokens, min_new_tokens=tokens,
@@ -195,8 +213,9 @@ def _measure_decode(result, hf, decoder, batch: int, device, tiny: bool) -> None
     result[f"decode_ms_bs{batch}_hf"] = (full - first) / (steps - 1)
 
 
-def _measure_throughput(result, decoder, device, tiny: bool) -> None:
-    """32 concurrent requests of 32 prompt tokens and 128 new tokens each, submitted at once."""
+def _measure_throughput(result, hf, decoder, device, tiny: bool) -> None:
+    """32 requests of 32 prompt tokens and 128 new tokens each, submitted at once; transformers generates the
+    same 32 prompts as one batch."""
     requests, steps = 32, 16 if tiny else NEW_TOKENS
     ids = _text_ids(requests, decoder.config.vocab_size, device)
     scheduler = Scheduler(decoder, max_slots=requests, max_seq_len=PROMPT_TOKENS + steps + 1, eos_id=None)
@@ -208,22 +227,30 @@ def _measure_throughput(result, decoder, device, tiny: bool) -> None:
             pass
         assert sum(len(h.result()) for h in handles) == requests * steps
 
-    milliseconds = timed(ours, device, 1, 3)
-    result["throughput_tok_s_32x128_ours"] = requests * steps / (milliseconds / 1e3)
+    def theirs() -> None:
+        hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps,
+                    do_sample=False, pad_token_id=0)
+
+    result["throughput_tok_s_ours"] = requests * steps / (timed(ours, device, 1, 3) / 1e3)
+    result["throughput_tok_s_hf"] = requests * steps / (timed(theirs, device, 1, 1) / 1e3)
 
 
 def report(result: dict) -> str:
     rows = [("CLIP-L/336 bs1 ms", "clip_ms_bs1"), ("CLIP-L/336 bs8 ms", "clip_ms_bs8"),
             ("TTFT 1 image + 32 tokens ms", "ttft_ms"), ("decode bs1 ms/step", "decode_ms_bs1"),
-            ("decode bs8 ms/step", "decode_ms_bs8"), ("decode bs32 ms/step", "decode_ms_bs32")]
+            ("decode bs8 ms/step", "decode_ms_bs8"), ("decode bs32 ms/step", "decode_ms_bs32"),
+            ("32 x 128-token requests tok/s", "throughput_tok_s")]
     lines = [f"device {result['device']}, {result['dtype']}, copy {result['copy_TBps']:.2f} TB/s, "
-             f"roofline {result['roofline_ms_per_step']:.2f} ms/step",
-             f"{'metric':32} {'ours':>10} {'transformers':>13} {'ours/hf':>8} {'ours/roofline':>14}"]
+             f"LLM weights {result['weight_GB']:.2f} GB",
+             f"{'metric':32} {'ours':>9} {'transformers':>13} {'ours/hf':>8} {'roofline':>9} {'roofline/ours':>14}"]
     for label, key in rows:
         ours, theirs = result[f"{key}_ours"], result[f"{key}_hf"]
-        roof = f"{result['roofline_ms_per_step'] / ours:14.2f}" if key.startswith("decode_ms_bs1") else " " * 14
-        lines.append(f"{label:32} {ours:10.2f} {theirs:13.2f} {ours / theirs:8.2f} {roof}")
-    lines.append(f"{'32 x 128-token requests tok/s':32} {result['throughput_tok_s_32x128_ours']:10.0f}")
+        roof = result.get(f"{key}_roofline")
+        roof_text = f"{roof:9.2f} {roof / ours:14.2f}" if roof else ""
+        lines.append(f"{label:32} {ours:9.2f} {theirs:13.2f} {ours / theirs:8.2f} {roof_text}")
+    for key in sorted(k for k in result if k.startswith(("breakdown_", "first_run_"))):
+        value = result[key]
+        lines.extend([key, *(f"    {v}" for v in value)] if isinstance(value, list) else [f"{key:44} {value}"])
     return "\n".join(lines)
 
 

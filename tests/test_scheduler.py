@@ -1,5 +1,5 @@
 """The in-flight scheduler on the CPU: admission into free slots, slot reuse, per-request parameters, stop
-conditions, streaming order and cancellation, each checked against generate() run on the request alone."""
+conditions, streaming order, cancellation and failures, each checked against generate() run on the request alone."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from conftest import make_tiny_gpt_weights
 from exporter.llm.config import DecoderConfig
 from exporter.llm.generate import SamplingParams, generate
 from exporter.llm.model import Decoder, select_llm_weights
+from exporter.llm.tokenizer import Tokenizer
 from exporter.runtime.scheduler import RequestCancelled, Scheduler
 
 CONFIG = {
@@ -78,6 +79,7 @@ def test_newcomers_join_a_running_batch(model):
         scheduler.step()
     late_prompt, late_ids = _prompt(model, 8, 11)
     late = scheduler.submit(late_prompt, late_ids, SamplingParams(max_output_len=6))
+    scheduler.step()  # the step queued ahead of this one runs first; the newcomer is admitted at the next
     scheduler.step()
     assert sum(slot is not None for slot in scheduler.slots) == 2  # admitted between steps, decoding jointly
     _run(scheduler)
@@ -97,6 +99,36 @@ def test_stop_conditions(model):
     _run(scheduler)
     _run(by_eos)
     assert by_end_id.result(timeout=0) == full[:stop_at] == by_eos_handle.result(timeout=0)
+
+
+class LetterTokenizer(Tokenizer):
+    """Token i reads as one letter (a..z cycling), for stop strings."""
+
+    bos_id, eos_id, pad_id, vocab_size = None, None, None, VOCAB
+
+    def encode(self, text, add_bos=False):
+        raise NotImplementedError
+
+    def decode(self, ids, skip_special=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    def token_to_id(self, token):
+        return None
+
+    def save(self, directory):
+        return {}
+
+
+def test_stop_strings_end_a_request_like_generate(model):
+    tokenizer = LetterTokenizer()
+    prompt, ids = _prompt(model, 10, 5)
+    full = _alone(model, prompt, ids, SamplingParams(max_output_len=12))
+    params = SamplingParams(max_output_len=12, stop=(tokenizer.decode(full[3:5]),))
+    expected = generate(model, [prompt], [ids], [params], eos_id=None, tokenizer=tokenizer)[0][0]
+    scheduler = Scheduler(model, max_slots=2, max_seq_len=64, eos_id=None, tokenizer=tokenizer)
+    handle = scheduler.submit(prompt, ids, params)
+    _run(scheduler)
+    assert handle.result(timeout=0) == expected and len(expected) < 12
 
 
 def test_streaming_callback_sees_tokens_in_order(model):
@@ -157,3 +189,110 @@ def test_limits_and_beams_are_refused(model):
         scheduler.submit(prompt, ids, SamplingParams(max_output_len=10))
     with pytest.raises(ValueError, match="beam"):
         scheduler.submit(prompt, ids, SamplingParams(max_output_len=2, num_beams=2))
+
+
+def test_admission_fills_the_lowest_run_of_free_slots(model):
+    scheduler = Scheduler(model, max_slots=3, max_seq_len=64, eos_id=None)
+    short = scheduler.submit(*_prompt(model, 60, 4), SamplingParams(max_output_len=2))
+    scheduler.submit(*_prompt(model, 61, 4), SamplingParams(max_output_len=30))
+    third = scheduler.submit(*_prompt(model, 62, 4), SamplingParams(max_output_len=2))
+    scheduler.step()
+    scheduler.step()
+    assert short.done and third.done and scheduler.slots[1] is not None  # slots 0 and 2 free, 1 busy
+    late = [(*_prompt(model, 63 + k, 5 + k), SamplingParams(max_output_len=4 + k)) for k in range(2)]
+    handles = [scheduler.submit(*request) for request in late]
+    scheduler.step()
+    assert scheduler.slots[0] is not None and scheduler.slots[2] is None  # the second waits for the next step
+    scheduler.step()
+    assert scheduler.slots[2] is not None
+    _run(scheduler)
+    for handle, (prompt, ids, params) in zip(handles, late):
+        assert handle.result(timeout=0) == _alone(model, prompt, ids, params)
+
+
+def test_a_captured_span_longer_than_the_furthest_position_changes_nothing(model):
+    scheduler = Scheduler(model, max_slots=2, max_seq_len=200, eos_id=None)
+    for seed, length in ((70, 9), (71, 23)):
+        scheduler.submit(*_prompt(model, seed, length), SamplingParams(max_output_len=50))
+    for _ in range(3):
+        scheduler.step()
+    inputs = scheduler.decode.inputs.clone()
+    furthest = int(inputs[:, 1].max()) + 1
+    with torch.inference_mode():
+        exact, _ = scheduler.decode._compute(2, furthest)
+        scheduler.decode.inputs.copy_(inputs)
+        spanned, _ = scheduler.decode._compute(2, scheduler.cache.max_seq_len)
+    torch.testing.assert_close(spanned, exact, rtol=1e-5, atol=1e-5)
+
+
+def test_steps_queued_ahead_leave_the_tokens_unchanged(model):
+    """Greedy requests ending at different steps, with a newcomer and a cancellation: the step queued ahead of
+    the host never changes what a request gets."""
+    scheduler = Scheduler(model, max_slots=3, max_seq_len=64, eos_id=None)
+    requests = [(*_prompt(model, 100 + k, 3 + 2 * k), SamplingParams(max_output_len=4 + 5 * k)) for k in range(4)]
+    handles = [scheduler.submit(*requests[k]) for k in range(3)]
+    streamed: list[int] = []
+
+    def cancel_after_two(token: int) -> None:
+        streamed.append(token)
+        if len(streamed) == 2:
+            victim.cancel()
+
+    ahead = 0
+    for step in range(60):
+        if step == 6:
+            handles.append(scheduler.submit(*requests[3]))
+            victim = scheduler.submit(*_prompt(model, 110, 4), SamplingParams(max_output_len=30),
+                                      on_token=cancel_after_two)
+        if not scheduler.step():
+            break
+        ahead += scheduler._ahead is not None
+    assert ahead > 5
+    for handle, (prompt, ids, params) in zip(handles, requests):
+        assert handle.result(timeout=0) == _alone(model, prompt, ids, params)
+    with pytest.raises(RequestCancelled, match="after 2 tokens"):
+        victim.result(timeout=0)
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(model):
+    scheduler = Scheduler(model, max_slots=2, max_seq_len=64, eos_id=None)
+    decode = scheduler.decode
+
+    class Broken:
+        def launch(self, *args):
+            raise RuntimeError("device lost")
+
+    scheduler.decode = Broken()
+    scheduler.start()
+    try:
+        broken = scheduler.submit(*_prompt(model, 80, 4), SamplingParams(max_output_len=5))
+        with pytest.raises(RuntimeError, match="device lost"):
+            broken.result(timeout=30)
+        scheduler.decode = decode
+        prompt, ids = _prompt(model, 81, 6)
+        assert scheduler.submit(prompt, ids, SamplingParams(max_output_len=5)).result(timeout=30) == _alone(
+            model, prompt, ids, SamplingParams(max_output_len=5))
+    finally:
+        scheduler.stop()
+
+
+def test_stop_ends_unfinished_requests(model):
+    scheduler = Scheduler(model, max_slots=1, max_seq_len=64, eos_id=None)
+    running = scheduler.submit(*_prompt(model, 90, 4), SamplingParams(max_output_len=30))
+    queued = scheduler.submit(*_prompt(model, 91, 4), SamplingParams(max_output_len=30))
+    scheduler.step()
+    scheduler.stop()
+    for handle in (running, queued):
+        with pytest.raises(RequestCancelled, match="stopped"):
+            handle.result(timeout=0)
+
+
+def test_bad_prompts_are_refused_with_the_reason(model):
+    scheduler = Scheduler(model, max_slots=1, max_seq_len=64, eos_id=None)
+    prompt, ids = _prompt(model, 95, 6)
+    with pytest.raises(ValueError, match=r"\[T, 32\]"):
+        scheduler.submit(prompt[:, :16], ids, SamplingParams())
+    with pytest.raises(ValueError, match="6 embeddings but 5 token ids"):
+        scheduler.submit(prompt, ids[:5], SamplingParams())
+    with pytest.raises(ValueError, match="no tokenizer"):
+        scheduler.submit(prompt, ids, SamplingParams(stop=("x",)))

@@ -50,10 +50,12 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     end_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         _check_int("max_output_len", self.max_output_len, 1)
         _check_int("top_k", self.top_k, 0)
         _check_float("top_p", self.top_p, 0.0, 1.0)
@@ -89,7 +91,7 @@ def generate(
     Every request owns `num_beams` consecutive rows of one batch and one preallocated KV cache; all rows step
     together, rows of finished requests idle until the whole batch is done.
     """
-    _check_inputs(model, prompts, prompt_ids, params, tokenizer)
+    check_requests(model, prompts, prompt_ids, params, tokenizer)
     if not prompts:
         return []
     vocab = model.config.vocab_size
@@ -131,13 +133,14 @@ def _step_requests(requests: list[_Request], spans: list[slice], logits: Tensor)
     return tokens, source_rows
 
 
-def _check_inputs(
+def check_requests(
     model: Decoder,
     prompts: Sequence[Tensor],
     prompt_ids: Sequence[Sequence[int]],
     params: Sequence[SamplingParams],
     tokenizer: Tokenizer | None,
 ) -> None:
+    """Raise ValueError naming the request and what to change if any request cannot be generated for."""
     if not len(prompts) == len(prompt_ids) == len(params):
         raise ValueError(
             f"got {len(prompts)} prompts, {len(prompt_ids)} id lists and {len(params)} SamplingParams; "
@@ -179,9 +182,8 @@ def _prefill(
     for embeds, span in zip(prompts, spans):
         padded[span, : len(embeds)] = embeds.to(padded)
     cache = model.new_kv_cache(rows, max_seq)
-    positions = torch.arange(max(lengths), device=model.device).expand(rows, -1)
     last = torch.tensor(lengths, device=model.device) - 1
-    logits = model(padded, positions, cache, kv_len=max(lengths), output_index=last)[:, 0].float()
+    logits = model(padded, kv_cache=cache, output_index=last)[:, 0].float()
     return logits, cache, lengths
 
 
@@ -196,6 +198,7 @@ class _Request:
         self.params = params
         self.prompt_ids = prompt_ids
         self.eos_id = params.end_id if params.end_id is not None else eos_id
+        self.end_ids = {self.eos_id, *params.stop_token_ids} - {None}  # tokens that end the answer, not kept
         self.tokenizer = tokenizer
         self.done = False
 
@@ -242,7 +245,7 @@ class TokenSampler(_Request):
 
     def accept(self, token: int) -> None:
         """Record `token`; the request is done at EOS, at max_output_len or at a stop string."""
-        if token == self.eos_id:
+        if token in self.end_ids:
             self.done = True
         else:
             self.tokens.append(token)
@@ -303,9 +306,9 @@ class _BeamSearch(_Request):
                 break
             parent, token = divmod(index, vocab)
             tokens = self.beams[parent] + [token]
-            if token == self.eos_id or self.hits_stop(tokens):
+            if token in self.end_ids or self.hits_stop(tokens):
                 if rank < width:  # only candidates that would have been kept may end a hypothesis
-                    self._finish(value, tokens[:-1] if token == self.eos_id else tokens, len(tokens))
+                    self._finish(value, tokens[:-1] if token in self.end_ids else tokens, len(tokens))
                 continue
             live.append((value, parent, tokens))
         live += [(float("-inf"), 0, [0])] * (width - len(live))  # dead rows when too few candidates survive

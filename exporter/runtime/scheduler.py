@@ -1,10 +1,12 @@
 """In-flight batching: requests join and leave a running decode batch between steps.
 
-The KV cache has a fixed number of slots (rows). Each loop iteration (``step``) does three things:
-admit waiting requests into free slots (prefill each newcomer into its slot), run one decode step for every
-occupied slot together, and let each request pick its token, stream it and finish (freeing its slot at once).
-Slots are handed out lowest first and a decode step covers rows ``[0, bucket)``, the smallest captured batch size
-that holds every occupied slot, so on CUDA each step replays a CUDA graph (see ``cuda_graphs``).
+The KV cache has a fixed number of slots (rows). Each iteration (``step``) admits waiting requests into free
+slots and prefills them together, runs one decode step for every occupied slot together, and lets each request
+pick its token (its own sampling parameters), stream it and finish, freeing its slot at once. Slots are handed
+out lowest first and a decode step covers rows ``[0, bucket)``, the smallest captured batch size that holds every
+occupied slot, so on CUDA each step replays a CUDA graph (see ``cuda_graphs``); a lone newcomer's prefill is a
+graph too. While every running request decodes greedily and no one waits, the next step is queued on the device
+before the host reads the current one's tokens, so the device does not wait for the host's bookkeeping.
 """
 
 from __future__ import annotations
@@ -17,16 +19,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..llm.generate import SamplingParams, TokenSampler
+from ..llm.generate import SamplingParams, TokenSampler, check_requests
 from ..llm.model import Decoder
 from ..llm.tokenizer import Tokenizer
-from .cuda_graphs import DecodeStep
+from .cuda_graphs import DecodeStep, LaunchedStep, PrefillStep, aligned_cache_len
 
 TokenCallback = Callable[[int], None]
 
 
 class RequestCancelled(RuntimeError):
-    """The request was cancelled before it finished."""
+    """The request was cancelled (or the scheduler stopped) before it finished."""
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Handle:
         return self.tokens
 
     def _finish(self, error: BaseException | None = None) -> None:
-        self.error = error
+        self.error = self.error or error
         self._finished.set()
 
 
@@ -69,23 +71,32 @@ class _Slot:
     handle: Handle
     sampler: TokenSampler
     position: int  # where the next token's key goes
-    next_token: int
+    next_token: int = 0
 
 
 class Scheduler:
-    """Shares decode steps among concurrent requests over ``max_slots`` KV-cache slots of ``max_seq_len``."""
+    """Shares decode steps among concurrent requests over ``max_slots`` KV-cache slots of ``max_seq_len``.
+
+    Drive it with ``step()`` from one thread, or ``start()`` a background loop and ``submit`` from any thread.
+    Callbacks run on the stepping thread; a callback that raises ends its own request with that error.
+    """
 
     def __init__(self, model: Decoder, *, max_slots: int, max_seq_len: int, eos_id: int | None,
                  tokenizer: Tokenizer | None = None, use_cuda_graphs: bool | None = None):
+        if max_slots < 1 or max_seq_len < 2:
+            raise ValueError(f"max_slots ({max_slots}) must be >= 1 and max_seq_len ({max_seq_len}) >= 2")
         self.model = model
         self.max_seq_len = max_seq_len
         self.eos_id = eos_id
         self.tokenizer = tokenizer
-        self.cache = model.new_kv_cache(max_slots, max_seq_len)
+        # two positions of slack: a step queued ahead runs one position past a request's last one
+        self.cache = model.new_kv_cache(max_slots, aligned_cache_len(max_seq_len + 2))
         self.slots: list[_Slot | None] = [None] * max_slots
         self.waiting: deque[Handle] = deque()
+        self.prefill = PrefillStep(model, self.cache, use_cuda_graphs)
         self.decode = DecodeStep(model, self.cache, use_cuda_graphs)
         self._wake = threading.Condition()
+        self._ahead: tuple[LaunchedStep, list[_Slot | None]] | None = None  # queued, tokens not yet read
         self._thread: threading.Thread | None = None
         self._stopping = False
 
@@ -93,13 +104,17 @@ class Scheduler:
 
     def submit(self, prompt: Tensor, prompt_ids: list[int], params: SamplingParams,
                on_token: TokenCallback | None = None) -> Handle:
-        """Queue one request: ``prompt [T, H]`` embeddings, the ids behind them (-1 at media features)."""
+        """Queue one request: ``prompt [T, H]`` embeddings and the ids behind them (-1 at media features).
+
+        ``on_token(id)`` is called with each kept token in order (never EOS).
+        """
+        check_requests(self.model, [prompt], [prompt_ids], [params], self.tokenizer)
         if params.num_beams != 1:
             raise ValueError("the in-flight scheduler decodes one beam per request; use generate() for beams")
         if len(prompt) + params.max_output_len > self.max_seq_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_output_len ({params.max_output_len}) exceeds the "
-                             f"scheduler's max_seq_len={self.max_seq_len}")
-        handle = Handle(prompt, prompt_ids, params, on_token)
+                             f"scheduler's max_seq_len={self.max_seq_len}; shorten them or raise max_seq_len")
+        handle = Handle(prompt, list(prompt_ids), params, on_token)
         with self._wake:
             self.waiting.append(handle)
             self._wake.notify()
@@ -113,12 +128,21 @@ class Scheduler:
             self._thread.start()
 
     def stop(self) -> None:
+        """Stop the background loop; unfinished requests end with RequestCancelled."""
         with self._wake:
             self._stopping = True
             self._wake.notify()
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+        self._fail_all(RequestCancelled("the scheduler stopped"))
+
+    def warm_up(self) -> None:
+        """Compile and capture every decode step and lone-prompt prefill now (CUDA), so that no request waits for
+        it (seconds; the graphs share one memory pool each)."""
+        with torch.inference_mode():
+            self.prefill.capture_all()
+            self.decode.capture_all()
 
     def _loop(self) -> None:
         while True:
@@ -127,75 +151,97 @@ class Scheduler:
                     self._wake.wait()
                 if self._stopping:
                     return
-            self.step()
+            try:
+                self.step()
+            except Exception as error:  # noqa: BLE001 - a failed step fails the requests in it, not the loop
+                self._fail_all(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._ahead = None
+        with self._wake:
+            handles = [*self.waiting, *(slot.handle for slot in self.slots if slot is not None)]
+            self.waiting.clear()
+            self.slots = [None] * len(self.slots)
+        for handle in handles:
+            handle._finish(error)
 
     # --- one iteration ----------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> bool:
-        """Admit, decode once, pick tokens, free finished slots; returns whether any work is left."""
-        self._admit()
+        """Admit, decode once, pick tokens, free finished slots; returns whether any work is left.
+
+        When nothing can change the next step (no one waiting, no slot freed, every request greedy without a
+        penalty), it is queued on the device, continuing from this step's greedy tokens, before this step's tokens
+        are read: the device never waits for the host's bookkeeping. A request that ends meanwhile has one extra
+        step computed and dropped.
+        """
+        launched, self._ahead = self._ahead, None
+        if launched is not None and not any(s is not None and s is self.slots[i] for i, s in enumerate(launched[1])):
+            launched = None  # every request in the queued step has ended: nothing to read from it
+        if launched is None:
+            self._admit()
         occupied = [i for i, slot in enumerate(self.slots) if slot is not None]
-        if occupied:
-            rows = max(occupied) + 1
-            tokens = torch.zeros(rows, dtype=torch.long)
-            positions = torch.zeros(rows, dtype=torch.long)
-            for i in occupied:
-                tokens[i], positions[i] = self.slots[i].next_token, self.slots[i].position
-            logits = self.decode(tokens, positions)
-            self._pick(occupied, logits)
+        if not occupied:
+            return bool(self.waiting)
+        if launched is None:
+            launched = self._launch_from_host(occupied)
+        step, slots = launched
+        if not self.waiting and slots == self.slots[: len(slots)] and all(
+                self.slots[i].sampler.plain_greedy for i in occupied):
+            furthest = max(self.slots[i].position for i in occupied) + 2
+            self._ahead = (self.decode.launch(len(slots), furthest), slots)
+        self._pick(step, slots)
         return bool(self.waiting) or any(self.slots)
 
+    def _launch_from_host(self, occupied: list[int]) -> tuple[LaunchedStep, list[_Slot | None]]:
+        rows = max(occupied) + 1
+        tokens, positions = [0] * rows, [0] * rows  # free rows below the last occupied one idle at slot 0
+        for i in occupied:
+            tokens[i], positions[i] = self.slots[i].next_token, self.slots[i].position
+        return self.decode.launch(rows, max(positions) + 1, tokens, positions), self.slots[:rows]
+
     def _admit(self) -> None:
-        """Move waiting requests into free slots and prefill all newcomers in one batched forward pass."""
-        newcomers: list[tuple[int, Handle]] = []
+        """Move waiting requests into the lowest run of free slots and prefill them in one forward pass."""
+        newcomers: list[Handle] = []
         with self._wake:
-            free = [i for i, slot in enumerate(self.slots) if slot is None]
-            while free and self.waiting:
+            first = next((i for i, slot in enumerate(self.slots) if slot is None), len(self.slots))
+            end = first
+            while end < len(self.slots) and self.slots[end] is None:
+                end += 1
+            while self.waiting and len(newcomers) < end - first:
                 handle = self.waiting.popleft()
                 if handle.cancelled:
                     handle._finish()
                 else:
-                    newcomers.append((free.pop(0), handle))
-        if newcomers:
-            try:
-                self._prefill(newcomers)
-            except Exception as error:  # noqa: BLE001 - the failure belongs to these requests only
-                for _, handle in newcomers:
-                    handle._finish(error)
-
-    def _prefill(self, newcomers: list[tuple[int, Handle]]) -> None:
-        """Run the newcomers' prompts right-padded in a scratch cache, copy each row into its slot, pick the first
-        token of each."""
-        device, vocab = self.model.device, self.model.config.vocab_size
-        lengths = [len(handle.prompt) for _, handle in newcomers]
-        longest = max(lengths)
-        padded = torch.zeros(len(newcomers), longest, self.model.config.hidden_size, dtype=self.model.dtype,
-                             device=device)
-        for row, (_, handle) in enumerate(newcomers):
-            padded[row, : len(handle.prompt)] = handle.prompt.to(padded)
-        scratch = self.model.new_kv_cache(len(newcomers), longest)
-        positions = torch.arange(longest, device=device).expand(len(newcomers), -1)
-        last = torch.tensor(lengths, device=device) - 1
-        logits = self.model(padded, positions, scratch, kv_len=longest, output_index=last)[:, 0].float()
-        for row, ((index, handle), length) in enumerate(zip(newcomers, lengths)):
-            self.cache.keys[:, index, :, :length] = scratch.keys[:, row, :, :length]
-            self.cache.values[:, index, :, :length] = scratch.values[:, row, :, :length]
+                    newcomers.append(handle)
+        if not newcomers:
+            return
+        try:
+            logits = self.prefill([handle.prompt for handle in newcomers], first)
+        except Exception as error:  # noqa: BLE001 - the failure belongs to these requests only
+            for handle in newcomers:
+                handle._finish(error)
+            return
+        vocab = self.model.config.vocab_size
+        for row, handle in enumerate(newcomers):
             sampler = TokenSampler(handle.params, [t for t in handle.prompt_ids if 0 <= t < vocab], self.eos_id,
-                                   self.tokenizer, device=device)
+                                   self.tokenizer, device=self.model.device)
             handle.tokens = sampler.tokens  # the sampler appends each kept token
-            slot = _Slot(handle, sampler, length, 0)
-            self.slots[index] = slot
-            self._advance(index, slot, sampler.choose(logits[row]))
+            slot = _Slot(handle, sampler, position=len(handle.prompt))
+            self.slots[first + row] = slot
+            self._advance(first + row, slot, sampler.choose(logits[row]))
 
-    def _pick(self, occupied: list[int], logits: Tensor) -> None:
-        greedy = logits.argmax(-1).tolist()
-        for i in occupied:
-            slot = self.slots[i]
+    def _pick(self, step: LaunchedStep, slots: list[_Slot | None]) -> None:
+        """Give each request that was in ``step`` and is still running its token."""
+        greedy = step.greedy()
+        for i, slot in enumerate(slots):
+            if slot is None or self.slots[i] is not slot:  # a free row, or its request ended before this step
+                continue
             if slot.handle.cancelled:
                 self._release(i)
                 continue
-            token = greedy[i] if slot.sampler.plain_greedy else slot.sampler.choose(logits[i].float())
+            token = greedy[i] if slot.sampler.plain_greedy else slot.sampler.choose(step.logits[i].float())
             slot.position += 1
             self._advance(i, slot, token)
 
@@ -216,4 +262,4 @@ class Scheduler:
     def _release(self, index: int) -> None:
         handle = self.slots[index].handle
         self.slots[index] = None
-        handle._finish(handle.error)
+        handle._finish()
