@@ -111,6 +111,8 @@ class TensorRTMMExporter(ITritonDeployable):
         if manifest["modality"] != self.modality:
             raise InvalidModalityError(f"the engine in {self.model_dir} is for modality {manifest['modality']!r}, "
                                        f"not {self.modality!r}")
+        if self.pipeline is not None:
+            self.pipeline.close()
         self.engine = load_engine(self.model_dir, device=self.device, max_image_pixels=self.max_image_pixels)
         self.pipeline = Pipeline(self.engine)
 
@@ -154,11 +156,8 @@ class TensorRTMMExporter(ITritonDeployable):
         return self._require_pipeline().run(list(requests))
 
     def stream(self, request: Request) -> Iterator[str]:
-        """Yield the text of one request's best answer piece by piece as it is generated."""
-        result = self.generate([request])[0]
-        if isinstance(result, Exception):
-            raise result
-        yield result.texts[0]
+        """Yield the text of one request's answer piece by piece as it is generated."""
+        return self._require_pipeline().stream(request)
 
     def _require_pipeline(self) -> Pipeline:
         if self.pipeline is None:

@@ -74,6 +74,11 @@ class Perception(ABC):
     def load_media(self, media: Any) -> list[torch.Tensor]:
         """Decode and preprocess one request's media into encoder inputs (one tensor per item)."""
 
+    def media_items(self, media: Any) -> list[Any] | None:
+        """The request's media split into the items ``load_media`` turns into one encoder input each, unchanged
+        (the runtime hashes them to reuse encoder outputs); None when this type does not split (no reuse)."""
+        return None
+
     @abstractmethod
     def encode(self, items: list[torch.Tensor]) -> list[torch.Tensor]:
         """Encode preprocessed items (from any number of requests) into one feature block ``[n, H]`` each."""

@@ -72,11 +72,14 @@ class ImagePerception(Perception):
     def features_per_item(self) -> int:
         return self.encoder.tokens_per_image
 
-    def load_media(self, media: Any) -> list[torch.Tensor]:
+    def media_items(self, media: Any) -> list[Any]:
         if isinstance(media, np.ndarray) and media.ndim == 4:  # NeMo's wire shape: [images, H, W, 3]
             media = list(media)
         items = media if isinstance(media, (list, tuple)) else [media]
-        return [self.preprocessor.preprocess_one(item) for item in items if item is not None]
+        return [item for item in items if item is not None]
+
+    def load_media(self, media: Any) -> list[torch.Tensor]:
+        return [self.preprocessor.preprocess_one(item) for item in self.media_items(media)]
 
     @torch.inference_mode()
     def encode(self, items: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -69,12 +69,15 @@ class VideoPerception(ImagePerception):
     def features_from_frames(self, frames: torch.Tensor) -> torch.Tensor:
         """The video's feature block ``[n, H]`` from its per-frame features ``[k, N, H]``."""
 
-    def load_media(self, media: Any) -> list[torch.Tensor]:
+    def media_items(self, media: Any) -> list[Any]:
         items = list(media) if isinstance(media, (list, tuple)) else [media]
         items = [item for item in items if item is not None]
         if len(items) > 1:
             raise MultimodalInputError(f"send one video per request, got {len(items)} media items")
-        return [self._pixels(item) for item in items]
+        return items
+
+    def load_media(self, media: Any) -> list[torch.Tensor]:
+        return [self._pixels(item) for item in self.media_items(media)]
 
     def _pixels(self, source: Any) -> torch.Tensor:
         frames = read_frames(source, self.frame_indices, self.limits)

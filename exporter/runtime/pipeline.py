@@ -1,8 +1,16 @@
-"""One batch of requests from text + media to text, each request succeeding or failing on its own."""
+"""Requests from text + media to text, each request succeeding or failing on its own.
+
+Preprocessing, the perception encoder and the prompt layout run per batch of requests; the LLM part goes to the
+in-flight :class:`Scheduler`, so requests from concurrent callers share decode steps. Beam-search requests, which
+need several rows of their own, run through ``generate``.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -10,16 +18,20 @@ import torch
 from ..engine import Engine
 from ..llm.generate import SamplingParams, generate
 from ..models import PromptLayout
+from .feature_cache import FeatureCache, media_key
+from .scheduler import Handle, Scheduler
 
 
 @dataclass
 class Request:
-    """One prompt: ``media`` is one item or a list (path, PIL image, uint8 array or encoded bytes)."""
+    """One prompt: ``media`` is one item or a list (path, PIL image, uint8 array or encoded bytes); ``system``
+    replaces the chat template's system prompt."""
 
     text: str
     media: Any = None
     params: SamplingParams = field(default_factory=SamplingParams)
     apply_chat_template: bool = True
+    system: str | None = None
 
 
 @dataclass
@@ -31,72 +43,144 @@ class Completion:
     prompt_tokens: int
 
 
+@dataclass
+class _Prepared:
+    """A request turned into LLM input: embeddings, the ids behind them, its parameters with the template's stops."""
+
+    embeds: torch.Tensor
+    layout: PromptLayout
+    params: SamplingParams
+
+
 class Pipeline:
-    """Preprocess → perception encoder → prompt layout → splice → LLM → text, for a batch of requests.
+    """Preprocess → perception encoder → prompt layout → splice → LLM → text.
 
     ``run`` returns, per request, its :class:`Completion` or the exception that request alone raised; a bad request
-    never fails the others.
+    never fails the others. ``stream`` yields one request's text as it is generated. Media already encoded are
+    taken from ``feature_cache``.
     """
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, feature_cache: FeatureCache | None = None):
         self.engine = engine
-        self.stop_token_ids = self._stop_token_ids()
+        self.feature_cache = feature_cache if feature_cache is not None else FeatureCache()
+        limits = engine.limits
+        tokenizer = engine.tokenizer
+        stops = {tokenizer.token_to_id(token) for token in engine.template.stop_tokens}
+        self.stop_token_ids = tuple(sorted(i for i in stops if i is not None))
+        self.scheduler = Scheduler(engine.decoder, max_slots=limits.max_batch_size,
+                                   max_seq_len=limits.max_input_len + limits.max_output_len,
+                                   eos_id=tokenizer.eos_id, tokenizer=tokenizer)
+        self.scheduler.start()
+        self._encoder_lock = threading.Lock()  # the encoder (and its CUDA graphs) serve one batch at a time
 
-    def _stop_token_ids(self) -> set[int]:
-        tokenizer = self.engine.tokenizer
-        ids = {tokenizer.token_to_id(token) for token in self.engine.template.stop_tokens}
-        return {i for i in ids if i is not None}
+    def close(self) -> None:
+        """Stop the scheduler's thread."""
+        self.scheduler.stop()
 
     def run(self, requests: list[Request]) -> list[Completion | Exception]:
-        limit = self.engine.limits.max_batch_size
-        results: list[Completion | Exception] = []
-        for start in range(0, len(requests), limit):
-            results.extend(self._run_batch(requests[start:start + limit]))
+        prepared = self._prepare(requests)
+        handles = {i: self._submit(p) for i, p in enumerate(prepared)
+                   if isinstance(p, _Prepared) and p.params.num_beams == 1}
+        beams = [i for i, p in enumerate(prepared) if isinstance(p, _Prepared) and p.params.num_beams > 1]
+        results: list[Completion | Exception] = [p if isinstance(p, Exception) else None for p in prepared]
+        if beams:
+            outputs = generate(self.engine.decoder, [prepared[i].embeds for i in beams],
+                               [prepared[i].layout.token_ids() for i in beams], [prepared[i].params for i in beams],
+                               eos_id=self.engine.tokenizer.eos_id, tokenizer=self.engine.tokenizer)
+            for i, token_lists in zip(beams, outputs):
+                results[i] = self._completion(token_lists, prepared[i].layout)
+        for i, handle in handles.items():
+            try:
+                results[i] = self._completion([handle.result()], prepared[i].layout)
+            except Exception as error:  # noqa: BLE001 - reported per request
+                results[i] = error
         return results
 
-    def _run_batch(self, requests: list[Request]) -> list[Completion | Exception]:
-        results: list[Completion | Exception | None] = [None] * len(requests)
-        media_items: dict[int, list[torch.Tensor]] = {}
+    def stream(self, request: Request) -> Iterator[str]:
+        """Yield the text of one request's answer piece by piece as tokens are generated."""
+        (prepared,) = self._prepare([request])
+        if isinstance(prepared, Exception):
+            raise prepared
+        if prepared.params.num_beams != 1:
+            raise ValueError("streaming returns one answer; use num_beams=1")
+        tokens: queue.Queue[int | None] = queue.Queue()
+        handle = self._submit(prepared, on_token=tokens.put)
+        threading.Thread(target=lambda: (handle.wait(), tokens.put(None)), daemon=True).start()
+        generated: list[int] = []
+        sent = ""
+        try:
+            while (token := tokens.get()) is not None:
+                generated.append(token)
+                text = self.engine.tokenizer.decode(generated).lstrip()
+                if len(text) > len(sent) and not text.endswith("\ufffd"):  # hold back half a character
+                    yield text[len(sent):]
+                    sent = text
+            handle.result()  # raises the request's error, if any
+            text = self.engine.tokenizer.decode(generated).strip()
+            if text.startswith(sent) and len(text) > len(sent):
+                yield text[len(sent):]
+        finally:
+            handle.cancel()  # a consumer that stops early frees the slot
+
+    def _prepare(self, requests: list[Request]) -> list[_Prepared | Exception]:
+        """Media → features → prompt layout → embeddings for each request, or the error it raised."""
+        results: list[_Prepared | Exception | None] = [None] * len(requests)
+        media_items: dict[int, list[_MediaItem]] = {}
         for i, request in enumerate(requests):
             try:
                 self.engine.limits.check_request(0, 0, request.params.max_output_len)
-                media_items[i] = self.engine.perception.load_media(request.media)
+                media_items[i] = self._load_media(request.media)
             except Exception as error:  # noqa: BLE001 - reported per request
                 results[i] = error
-
-        features = self._encode(media_items)
-        layouts: dict[int, PromptLayout] = {}
-        for i, items in features.items():
+        for i, items in self._encode(media_items).items():
             request = requests[i]
             try:
-                layout = self.engine.perception.layout(request.text, items, self.engine.tokenizer,
-                                                       self.engine.template, request.apply_chat_template)
+                template = self.engine.template if request.system is None else replace(self.engine.template,
+                                                                                      system=request.system)
+                layout = self.engine.perception.layout(request.text, items, self.engine.tokenizer, template,
+                                                       request.apply_chat_template)
                 media_len = sum(int(block.shape[0]) for block in items)
                 self.engine.limits.check_request(layout.length, media_len, request.params.max_output_len)
-                layouts[i] = layout
+                params = replace(request.params,
+                                 stop_token_ids=tuple({*request.params.stop_token_ids, *self.stop_token_ids}))
+                results[i] = _Prepared(self._embed(layout), layout, params)
             except Exception as error:  # noqa: BLE001 - reported per request
                 results[i] = error
-
-        order = sorted(layouts)
-        outputs = generate(
-            self.engine.decoder,
-            [self._embed(layouts[i]) for i in order],
-            [layouts[i].token_ids() for i in order],
-            [requests[i].params for i in order],
-            eos_id=self.engine.tokenizer.eos_id,
-            tokenizer=self.engine.tokenizer,
-        ) if order else []
-        for i, beams in zip(order, outputs):
-            kept = [self._until_stop_token(tokens) for tokens in beams]
-            texts = [self.engine.tokenizer.decode(tokens).strip() for tokens in kept]
-            results[i] = Completion(texts, kept, layouts[i].length)
         return results  # type: ignore[return-value]
 
-    def _encode(self, media_items: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
-        """Encode every request's media in shared encoder batches; hand each request back its own blocks."""
-        flat = [item for i in sorted(media_items) for item in media_items[i]]
-        blocks = iter(self.engine.perception.encode(flat) if flat else [])
-        return {i: [next(blocks) for _ in media_items[i]] for i in sorted(media_items)}
+    def _submit(self, prepared: _Prepared, on_token=None) -> Handle:
+        return self.scheduler.submit(prepared.embeds, prepared.layout.token_ids(), prepared.params, on_token)
+
+    def _load_media(self, media: Any) -> list[_MediaItem]:
+        """Each media item's cache key and cached block, and its encoder input unless every item was cached."""
+        perception = self.engine.perception
+        raw = perception.media_items(media)
+        keys = [media_key(item) for item in raw] if raw is not None else []
+        cached = [self.feature_cache.get(key) if key is not None else None for key in keys]
+        if raw is not None and all(block is not None for block in cached):
+            return [_MediaItem(key, block, None) for key, block in zip(keys, cached)]
+        inputs = perception.load_media(media)
+        if raw is None:
+            return [_MediaItem(None, None, item) for item in inputs]
+        return [_MediaItem(key, block, item) for key, block, item in zip(keys, cached, inputs, strict=True)]
+
+    def _encode(self, media_items: dict[int, list[_MediaItem]]) -> dict[int, list[torch.Tensor]]:
+        """Encode the items not cached (each distinct one once) in shared encoder batches, cache their blocks, and
+        hand each request back its own blocks."""
+        pending: dict[Any, torch.Tensor] = {}
+        for i in sorted(media_items):
+            for n, item in enumerate(media_items[i]):
+                if item.block is None:
+                    pending.setdefault(item.key or (i, n), item.inputs)
+        with self._encoder_lock:
+            blocks = self.engine.perception.encode(list(pending.values())) if pending else []
+        encoded = dict(zip(pending, blocks))
+        for slot, block in encoded.items():
+            if isinstance(slot, str):
+                self.feature_cache.put(slot, block)
+        return {i: [item.block if item.block is not None else encoded[item.key or (i, n)]
+                    for n, item in enumerate(media_items[i])]
+                for i in sorted(media_items)}
 
     def _embed(self, layout: PromptLayout) -> torch.Tensor:
         decoder = self.engine.decoder
@@ -108,8 +192,15 @@ class Pipeline:
                 parts.append(piece.to(device=decoder.device, dtype=decoder.dtype))
         return torch.cat(parts)
 
-    def _until_stop_token(self, tokens: list[int]) -> list[int]:
-        for index, token in enumerate(tokens):
-            if token in self.stop_token_ids:
-                return tokens[:index]
-        return tokens
+    def _completion(self, token_lists: list[list[int]], layout: PromptLayout) -> Completion:
+        texts = [self.engine.tokenizer.decode(tokens).strip() for tokens in token_lists]
+        return Completion(texts, token_lists, layout.length)
+
+
+@dataclass
+class _MediaItem:
+    """One media item of a request: its feature-cache key, its cached feature block, or its encoder input."""
+
+    key: str | None
+    block: torch.Tensor | None
+    inputs: torch.Tensor | None
