@@ -1,23 +1,20 @@
 """Client-side media loading: a path, an http(s) URL, a base64 `data:` URL, bytes, a PIL image or an array.
 
-URLs are fetched with a total time limit and a byte cap; every failure is a `MediaError` naming the source and
-what to change.
+Fetching is `exporter.media_safety`'s with a client policy (any local file, any host, a total time limit and a
+byte cap); every failure is a `MediaError` naming the source and what to change.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import os
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
-from pathlib import Path
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
+
+from exporter import media_safety
+from exporter.media_safety import MediaError
+from exporter.media_safety import describe_source as _describe
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_BYTES = 100 * 1024 * 1024
@@ -25,23 +22,8 @@ MAX_VIDEO_FRAMES = 256
 
 MediaSource = str | os.PathLike | bytes | Image.Image | np.ndarray
 
-
-class MediaError(ValueError):
-    """Media could not be loaded; the message names the source and what to change."""
-
-
-def _describe(source: object) -> str:
-    if isinstance(source, bytes):
-        return f"<{len(source)} bytes>"
-    text = str(source)
-    return text if len(text) <= 80 else text[:60] + "..." + text[-15:]
-
-
-def _check_size(size: int, max_bytes: int, source: object) -> None:
-    if size > max_bytes:
-        raise MediaError(
-            f"media {_describe(source)} has {size} bytes, over the cap of {max_bytes}; raise max_bytes"
-        )
+__all__ = ["MediaError", "audio_signal", "image_bytes", "image_pixels", "load_image", "read_media_bytes",
+           "subsample_frames", "video_frames"]
 
 
 def read_media_bytes(
@@ -51,73 +33,7 @@ def read_media_bytes(
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> bytes:
     """The bytes of a media file given as bytes, a path, a `file://`, `http(s)://` or base64 `data:` URL."""
-    if isinstance(source, bytes):
-        data = source
-    elif isinstance(source, str) and source.startswith("data:"):
-        data = _decode_data_url(source, max_bytes)
-    elif isinstance(source, str) and source.startswith(("http://", "https://")):
-        return _fetch_url(source, timeout_s, max_bytes)
-    elif isinstance(source, (str, os.PathLike)):
-        data = _read_file(source, max_bytes)
-    else:
-        raise MediaError(
-            f"cannot read media from a {type(source).__name__}; give a path, URL, data: URL or bytes"
-        )
-    _check_size(len(data), max_bytes, source)
-    return data
-
-
-def _read_file(source: str | os.PathLike, max_bytes: int) -> bytes:
-    text = os.fspath(source)
-    path = Path(
-        urllib.parse.unquote(text[len("file://") :]) if text.startswith("file://") else text
-    ).expanduser()
-    if not path.is_file():
-        raise MediaError(f"media file {path} does not exist (or is not a file); check the path")
-    _check_size(path.stat().st_size, max_bytes, path)
-    return path.read_bytes()
-
-
-def _decode_data_url(url: str, max_bytes: int) -> bytes:
-    header, comma, payload = url.partition(",")
-    if not comma:
-        raise MediaError("data: URL has no ',' before its payload; use data:<mime>;base64,<data>")
-    # base64 grows data by 4/3: refuse oversized payloads before decoding them.
-    _check_size(len(payload) * 3 // 4, max_bytes, "data: URL")
-    if header.endswith(";base64"):
-        try:
-            return base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError) as error:
-            raise MediaError(f"data: URL payload is not valid base64 ({error})") from None
-    return urllib.parse.unquote_to_bytes(payload)
-
-
-def _fetch_url(url: str, timeout_s: float, max_bytes: int) -> bytes:
-    deadline = time.monotonic() + timeout_s
-    timeout_hint = (
-        f"fetching {url} took longer than {timeout_s} s; raise the media timeout or download it first"
-    )
-    try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as response:
-            length = response.headers.get("Content-Length")
-            if length is not None and length.isdigit():
-                _check_size(int(length), max_bytes, url)
-            chunks, size = [], 0
-            while chunk := response.read(64 * 1024):
-                chunks.append(chunk)
-                size += len(chunk)
-                _check_size(size, max_bytes, url)
-                if time.monotonic() > deadline:
-                    raise MediaError(timeout_hint)
-            return b"".join(chunks)
-    except urllib.error.HTTPError as error:
-        raise MediaError(f"fetching {url} failed: HTTP {error.code} {error.reason}") from None
-    except urllib.error.URLError as error:
-        if isinstance(error.reason, TimeoutError):
-            raise MediaError(timeout_hint) from None
-        raise MediaError(f"fetching {url} failed: {error.reason}") from None
-    except TimeoutError:
-        raise MediaError(timeout_hint) from None
+    return media_safety.read_media_bytes(source, media_safety.MediaPolicy.client(timeout_s, max_bytes))
 
 
 def _check_pixels(array: np.ndarray, what: str, ndim: int) -> np.ndarray:
