@@ -90,10 +90,19 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
         "local folder of the vision tower, if not in the checkpoint",
     ),
     (None, "--tokenizer_path", str, None, None, "local tokenizer, if not in the checkpoint"),
-    (None, "--openai_port", int, None, None, "port of an OpenAI-style HTTP front (not available yet)"),
+    (None, "--openai_port", int, None, None, "port of an OpenAI-compatible HTTP API (/v1/chat/completions)"),
+    (None, "--openai_address", str, None, None, "address the OpenAI API listens on (default: --triton_http_address)"),
+    (None, "--media_timeout_s", float, None, 10.0, "total time to fetch one media URL"),
+    (None, "--media_max_bytes", int, None, 20 * 1024 * 1024, "bytes of one media item"),
+    (None, "--media_max_image_pixels", int, None, 40_000_000, "width x height of one image"),
+    (None, "--media_max_video_frames", int, None, 20_000, "frames of one video"),
+    (None, "--media_max_video_duration_s", float, None, 3600.0, "seconds of one video"),
+    (None, "--media_max_items", int, None, 8, "media items in one OpenAI request"),
+    (None, "--media_allowed_domains", str, None, None, "comma-separated hosts media URLs may come from (default: any)"),
+    (None, "--media_local_dir", str, None, None, "folder media file:// URLs may be read from (default: none)"),
 )
 OPTIONAL_VALUE = {"use_lora_plugin": "auto"}  # given alone, the flag takes this value
-FLAG_OPTIONS = ("streaming",)
+FLAG_OPTIONS = ("streaming", "media_allow_private_networks")
 DEFAULTS = {long[2:]: default for _, long, _, _, default, _ in OPTIONS} | {"lora_target_modules": None}
 DEFAULTS |= {name: False for name in FLAG_OPTIONS}
 
@@ -121,6 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="stream tokens as generated (not available yet)",
+    )
+    parser.add_argument(
+        "--media_allow_private_networks",
+        action="store_true",
+        default=None,
+        help="let media URLs point at loopback and private addresses (off: only public addresses)",
     )
     return parser
 
@@ -161,6 +176,8 @@ def _validate(settings: dict) -> None:
         value = settings[long[2:]]
         if value is not None and choices and value not in choices:
             raise ValueError(f"{long} {value!r} is not one of {', '.join(choices)}")
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            settings[long[2:]] = value = float(value)  # a YAML config may write 10 for 10.0
         if value is not None and not isinstance(value, kind):
             raise ValueError(f"{long} must be {kind.__name__}, got {value!r}")
     for value in settings["lora_target_modules"] or ():
@@ -185,8 +202,10 @@ def _validate(settings: dict) -> None:
     settings["modality"] = settings["modality"] or "vision"
     if settings["streaming"]:
         raise ValueError("--streaming is not available yet; serve without it")
-    if settings["openai_port"] is not None:
-        raise ValueError("--openai_port is not available yet; query through Triton (HTTP or gRPC)")
+    try:
+        media_policy(argparse.Namespace(**settings))  # a bad media option fails here, before anything starts
+    except ValueError as error:
+        raise ValueError(f"a --media_* option is invalid: {error}") from None
     if settings["triton_model_repository"] is None:
         settings["triton_model_repository"] = str(Path(tempfile.gettempdir()) / "trt_model_dir")
 
@@ -207,7 +226,8 @@ def build_deployable(settings: argparse.Namespace):
     step = "loading the model repository"
     try:
         exporter = TensorRTMMExporter(
-            model_dir=str(repository), load_model=not exporting, modality=settings.modality, **extra
+            model_dir=str(repository), load_model=not exporting, modality=settings.modality,
+            max_image_pixels=settings.media_max_image_pixels, **extra
         )
         if exporting:
             step = "the export"
@@ -243,6 +263,37 @@ def _export_arguments(settings: argparse.Namespace) -> dict:
     return arguments
 
 
+def media_policy(settings: argparse.Namespace):
+    """The media limits of the OpenAI API from the --media_* options."""
+    from exporter.media_safety import MediaPolicy
+
+    domains = settings.media_allowed_domains
+    return MediaPolicy(
+        timeout_s=settings.media_timeout_s,
+        max_bytes=settings.media_max_bytes,
+        max_image_pixels=settings.media_max_image_pixels,
+        max_video_frames=settings.media_max_video_frames,
+        max_video_duration_s=settings.media_max_video_duration_s,
+        max_items=settings.media_max_items,
+        allowed_domains=None if domains is None else tuple(d for d in domains.split(",") if d.strip()),
+        allow_private_networks=bool(settings.media_allow_private_networks),
+        local_dir=settings.media_local_dir,
+    )
+
+
+def start_openai_server(settings: argparse.Namespace, exporter):
+    """The OpenAI-compatible API over `exporter`, listening (None without --openai_port)."""
+    if settings.openai_port is None:
+        return None
+    from deploy.openai_api import create_app
+    from deploy.openai_server import OpenAIServer
+
+    app = create_app(exporter, settings.triton_model_name, media_policy(settings))
+    server = OpenAIServer(app, host=settings.openai_address or settings.triton_http_address, port=settings.openai_port)
+    server.start()
+    return server
+
+
 def _checkpoint_error() -> type[Exception]:
     """The exporter's error class for a bad .nemo (OSError, caught anyway, if the exporter has none)."""
     try:
@@ -260,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         address = settings.triton_http_address
         check_port_free(address, settings.triton_port, "HTTP", "--triton_port (-trp)")
         check_port_free(address, settings.grpc_port, "gRPC", "--grpc_port")
+        if settings.openai_port is not None:
+            check_port_free(settings.openai_address or address, settings.openai_port, "OpenAI API", "--openai_port")
         deployer = DeployPyTriton(
             model=build_deployable(settings),
             triton_model_name=settings.triton_model_name,
@@ -270,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             address=address,
         )
         deployer.deploy()
+        openai_server = start_openai_server(settings, deployer.model)
     except (DeployError, ValueError) as error:
         print(f"deploy_triton.py: error: {error}", file=sys.stderr)
         return 1
@@ -280,7 +334,11 @@ def main(argv: list[str] | None = None) -> int:
         settings.triton_port,
         settings.grpc_port,
     )
-    deployer.serve()
+    try:
+        deployer.serve()
+    finally:
+        if openai_server is not None:
+            openai_server.stop()
     return 0
 
 
