@@ -104,3 +104,24 @@ def test_gemv_kernel_matches_cublas(dtype):
         reference = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
         assert _relative_error(gemv._gemv(x, weight, bias), reference) < 1e-2
         assert _relative_error(gemv.linear(x, weight, bias), reference) < 1e-2
+
+
+def test_exported_neva_answers_on_cuda_as_on_the_cpu(tmp_path):
+    """The serving path on the GPU (graphed encoder, warmed-up scheduler) answers a batch as the CPU does."""
+    from exporter import TensorRTMMExporter
+    from exporter.runtime import Request
+    from vlm_fixtures import build_vlm, random_image, tokenizer_file
+
+    (tmp_path / "sp").mkdir()
+    vlm = build_vlm(tmp_path / "ckpt", tokenizer_file(tmp_path / "sp"))
+    TensorRTMMExporter(tmp_path / "engine", device="cpu").export(
+        vlm.nemo, model_type="neva", dtype="float32", max_batch_size=4, max_input_len=256, max_output_len=8,
+        max_multimodal_len=64, load_model=False, **vlm.export_kwargs)
+    requests = [Request(f"describe image {seed}", random_image(seed), SamplingParams(max_output_len=8))
+                for seed in range(3)]
+    answers = {}
+    for device in ("cpu", "cuda"):
+        exporter = TensorRTMMExporter(tmp_path / "engine", device=device)
+        answers[device] = [completion.token_ids for completion in exporter.generate(requests)]
+        exporter.pipeline.close()
+    assert answers["cuda"] == answers["cpu"]

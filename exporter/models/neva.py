@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from ..llm.tokenizer import Tokenizer
 from ..perception.vision_encoder import VisionEncoder, build_vision_encoder
+from ..runtime.cuda_graphs import GraphedCall
 from .base import ModelType, MultimodalInputError, Perception, PromptLayout
 from .templates import IMAGE_PLACEHOLDER, ChatTemplate
 
@@ -67,6 +68,7 @@ class ImagePerception(Perception):
         self.preprocessor = preprocessor
         self.use_im_start_end = use_im_start_end
         self.max_encoder_batch = max_encoder_batch
+        self._graphed: GraphedCall | None = None
 
     @property
     def features_per_item(self) -> int:
@@ -83,12 +85,19 @@ class ImagePerception(Perception):
 
     @torch.inference_mode()
     def encode(self, items: list[torch.Tensor]) -> list[torch.Tensor]:
-        device = next(self.encoder.parameters()).device
+        parameter = next(self.encoder.parameters())
         blocks: list[torch.Tensor] = []
         for start in range(0, len(items), self.max_encoder_batch):
-            pixels = torch.stack(items[start:start + self.max_encoder_batch]).to(device)
-            blocks.extend(self.encoder(pixels).unbind(0))
+            pixels = torch.stack(items[start:start + self.max_encoder_batch]).to(parameter.device, parameter.dtype)
+            blocks.extend(self._graphed_encoder(pixels).clone().unbind(0))  # clone: the graph reuses its output
         return blocks
+
+    def _graphed_encoder(self, pixels: torch.Tensor) -> torch.Tensor:
+        """The encoder on ``pixels [n, 3, H, W]``: a CUDA graph per batch bucket on the GPU, eager elsewhere."""
+        if self._graphed is None:
+            self._graphed = GraphedCall(self.encoder, tuple(pixels.shape[1:]), pixels.dtype, pixels.device,
+                                        self.max_encoder_batch)
+        return self._graphed(pixels)
 
     def layout(self, text: str, features: list[torch.Tensor], tokenizer: Tokenizer, template: ChatTemplate,
                apply_chat_template: bool) -> PromptLayout:

@@ -70,6 +70,8 @@ class Pipeline:
         self.scheduler = Scheduler(engine.decoder, max_slots=limits.max_batch_size,
                                    max_seq_len=limits.max_input_len + limits.max_output_len,
                                    eos_id=tokenizer.eos_id, tokenizer=tokenizer)
+        if engine.decoder.device.type == "cuda":
+            self.scheduler.warm_up()  # compile and capture before the first request, not during it
         self.scheduler.start()
         self._encoder_lock = threading.Lock()  # the encoder (and its CUDA graphs) serve one batch at a time
 
