@@ -24,8 +24,9 @@ from ..checkpoint import NemoCheckpoint
 from ..llm.config import DecoderConfig
 from ..llm.model import Decoder, select_llm_weights
 from ..llm.tokenizer import Tokenizer, load_saved_tokenizer
+from ..lora import merge_lora
 from ..models import Perception, get_model_type
-from ..models.templates import ChatTemplate, resolve_template
+from ..models.templates import ChatTemplate
 from .limits import EngineLimits
 
 FORMAT_VERSION = 1
@@ -64,9 +65,7 @@ def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *, 
     perception_facts = kind.save_perception(encoder, model_dir / kind.perception_dir, config)
     limits.check_export(perception_facts["features_per_item"])
     if export_onnx:
-        from ..perception.onnx_export import export_vision_onnx
-
-        export_vision_onnx(encoder.float(), model_dir / kind.perception_dir / "encoder.onnx")
+        kind.export_onnx(encoder, model_dir / kind.perception_dir)
     del encoder
 
     llm_checkpoint = checkpoint
@@ -74,13 +73,16 @@ def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *, 
         del weights
         llm_checkpoint = NemoCheckpoint(llm_checkpoint_path, rename_keys=rename_keys)
         weights = llm_checkpoint.state_dict()
-    llm_weights = select_llm_weights(weights)
+    llm_weights = select_llm_weights(merge_lora(weights, llm_checkpoint.config))
     del weights
+    if not llm_weights:
+        raise EngineError(f"{llm_checkpoint.path} holds no LLM weights; give the LLM checkpoint as "
+                          "llm_checkpoint_path (-lc/--llm_checkpoint)")
     _write_llm(model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target)
     tokenizer = llm_checkpoint.tokenizer(tokenizer_path=tokenizer_path)
     tokenizer_description = tokenizer.save(model_dir / LLM_DIR)
     (model_dir / LLM_DIR / "tokenizer_description.json").write_text(json.dumps(tokenizer_description, indent=2))
-    (model_dir / LLM_DIR / "template.json").write_text(json.dumps(resolve_template(config).to_dict(), indent=2))
+    (model_dir / LLM_DIR / "template.json").write_text(json.dumps(kind.chat_template(config).to_dict(), indent=2))
 
     manifest = {
         "format_version": FORMAT_VERSION,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from .base import ModelType, MultimodalInputError, Perception, PromptLayout
 from .lita import LitaModel
 from .neva import ImageModel
+from .salm import SalmModel
 from .video_neva import VideoNevaModel
 
 MODEL_TYPES: dict[str, ModelType] = {
@@ -13,6 +14,7 @@ MODEL_TYPES: dict[str, ModelType] = {
     "video-neva": VideoNevaModel("video-neva"),
     "lita": LitaModel("lita"),
     "vita": LitaModel("vita"),
+    "salm": SalmModel(),
 }
 
 

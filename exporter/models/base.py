@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from ..llm.tokenizer import Tokenizer
-from .templates import ChatTemplate
+from .templates import ChatTemplate, resolve_template
 
 
 class MultimodalInputError(ValueError):
@@ -60,6 +60,16 @@ class ModelType(ABC):
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
                         max_image_pixels: int | None = None) -> Perception:
         """Rebuild the runtime perception (preprocessing + encoder) from ``directory``."""
+
+    def chat_template(self, model_config: Any) -> ChatTemplate:
+        """The prompt format the checkpoint was trained with (by default its conversation template)."""
+        return resolve_template(model_config)
+
+    def export_onnx(self, encoder: torch.nn.Module, directory: Path) -> None:
+        """Write the perception encoder as ONNX into ``directory`` (by default the vision encoder's export)."""
+        from ..perception.onnx_export import export_vision_onnx
+
+        export_vision_onnx(encoder.float(), directory / "encoder.onnx")
 
 
 class Perception(ABC):
