@@ -6,6 +6,10 @@ So Triton never batches here: the model gets `max_batch_size` instances under Tr
 instance receives one request at a time, and the instances hand their requests to one `RequestBatcher` that
 runs the model on all waiting requests together (dynamic batching inside this process). A failed request
 raises in its own instance only, so Triton answers it with an error while the others of the batch succeed.
+
+With `streaming=True` a second, decoupled model `<name>_stream` is served next to it: the same inputs, one
+response per piece of text as it is generated (gRPC streams, HTTP `generate_stream`). Its instances (as many as
+`max_batch_size`) each stream one request straight from the model; they share the model's in-flight scheduler.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import queue
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -23,7 +27,12 @@ from pytriton.model_config import ModelConfig
 from pytriton.triton import Triton, TritonConfig
 
 from deploy.startup import DeployError, check_port_free, ensure_libpython_on_library_path, pick_metrics_port
-from deploy.triton_deployable import InferRequest, default_warmup_request, infer_requests_one_by_one
+from deploy.triton_deployable import (
+    InferRequest,
+    default_warmup_request,
+    infer_requests_one_by_one,
+    stream_model_name,
+)
 
 LOGGER = logging.getLogger(__name__)
 
@@ -164,8 +173,8 @@ class DeployPyTriton:
             raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         if not (allow_http or allow_grpc):
             raise ValueError("allow_http and allow_grpc are both False; enable at least one protocol")
-        if streaming:
-            raise NotImplementedError("streaming is not available yet; deploy with streaming=False")
+        if streaming and not hasattr(model, "triton_stream_request"):
+            raise TypeError("streaming=True needs a model with triton_stream_request; deploy with streaming=False")
         self.model = model
         self.triton_model_name = triton_model_name
         self.triton_model_version = triton_model_version
@@ -176,6 +185,7 @@ class DeployPyTriton:
         self.address = address
         self.allow_http = allow_http
         self.allow_grpc = allow_grpc
+        self.streaming = streaming
         self.max_queue_delay_microseconds = max_queue_delay_microseconds
         self.triton = None
         self._batcher: RequestBatcher | None = None
@@ -256,6 +266,16 @@ class DeployPyTriton:
             config=ModelConfig(batching=True, max_batch_size=self.max_batch_size, batcher=None),
             strict=False,
         )
+        if self.streaming:
+            triton.bind(
+                model_name=stream_model_name(self.triton_model_name),
+                model_version=self.triton_model_version,
+                infer_func=[self._stream_instance_fn(i) for i in range(self.max_batch_size)],
+                inputs=list(self.model.get_triton_input),
+                outputs=list(self.model.get_triton_output),
+                config=ModelConfig(batching=True, max_batch_size=self.max_batch_size, batcher=None, decoupled=True),
+                strict=False,
+            )
         return triton
 
     def _require_deployed(self) -> None:
@@ -302,3 +322,13 @@ class DeployPyTriton:
 
         infer.__name__ = f"{self.triton_model_name}_instance_{index}"
         return infer
+
+    def _stream_instance_fn(self, index: int) -> Callable[[list], Iterator[list[dict[str, np.ndarray]]]]:
+        def stream(requests: list) -> Iterator[list[dict[str, np.ndarray]]]:
+            if len(requests) != 1:  # Triton's default scheduler hands an instance one request at a time
+                raise DeployError(f"a streaming instance got {len(requests)} requests at once; it takes one")
+            for outputs in self.model.triton_stream_request(dict(requests[0].data)):
+                yield [outputs]
+
+        stream.__name__ = f"{stream_model_name(self.triton_model_name)}_instance_{index}"
+        return stream

@@ -38,6 +38,9 @@ MODEL_TYPE_MODALITY: dict[str, str] = {
 MODALITIES = ("vision", "audio")
 VIDEO_MODEL_TYPES = ("video-neva", "lita", "vita")
 
+STREAM_MODEL_SUFFIX = "_stream"
+"""`DeployPyTriton(streaming=True)` serves the decoupled (streaming) model as `<triton_model_name>_stream`."""
+
 _INT_PARAMS = ("batch_size", "max_output_len", "top_k", "num_beams")
 _FLOAT_PARAMS = ("top_p", "temperature", "repetition_penalty")
 
@@ -52,6 +55,11 @@ def modality_of(model_type: str) -> str:
         raise ValueError(
             f"unknown model_type {model_type!r}; choose one of {', '.join(MODEL_TYPE_MODALITY)}"
         ) from None
+
+
+def stream_model_name(model_name: str) -> str:
+    """The name of the streaming model served next to `model_name` (a name already ending in the suffix stays)."""
+    return model_name if model_name.endswith(STREAM_MODEL_SUFFIX) else model_name + STREAM_MODEL_SUFFIX
 
 
 def multimodal_triton_inputs(modality: str) -> tuple[Tensor, ...]:
@@ -224,7 +232,11 @@ def default_warmup_request(inputs: Sequence[Tensor]) -> InferRequest:
 
 
 class ITritonDeployable(ABC):
-    """A model `DeployPyTriton` can serve: NeMo's interface, request-level batching and a warm-up request."""
+    """A model `DeployPyTriton` can serve: NeMo's interface, request-level batching and a warm-up request.
+
+    A model that also has `triton_stream_request(request) -> Iterator[outputs dict]` (one `outputs` piece of text
+    per item) can be served with `DeployPyTriton(streaming=True)`.
+    """
 
     @property
     @abstractmethod

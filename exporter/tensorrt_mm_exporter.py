@@ -188,6 +188,21 @@ class TensorRTMMExporter(ITritonDeployable):
             raise result
         return result
 
+    def triton_stream_request(self, request: InferRequest) -> Iterator[dict[str, np.ndarray]]:
+        """Stream the answer of a one-prompt request: each item's ``outputs`` holds the next piece of text.
+
+        A bad request raises at the first item; closing the iterator early cancels the generation.
+        """
+        rows = split_request(request)
+        if len(rows) != 1:
+            raise ValueError(f"a streamed request holds one prompt, got {len(rows)}; send each prompt on its own")
+        pieces = self.stream(_pipeline_request(rows[0]))
+        try:
+            for piece in pieces:
+                yield encode_outputs([[piece]])
+        finally:
+            pieces.close()
+
     def triton_infer_requests(self, requests: Sequence[InferRequest]) -> list[dict[str, np.ndarray] | Exception]:
         """Answer all rows of all requests in shared batches; a request fails alone if any of its rows fails."""
         pipeline = self._require_pipeline()

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import logging
 import os
 import re
 import threading
+import urllib.error
+import urllib.request
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 from PIL import Image
-from pytriton.client import ModelClient
+from pytriton.client import DecoupledModelClient, ModelClient
 from pytriton.client.exceptions import (
     PyTritonClientError,
     PyTritonClientInferenceServerError,
     PyTritonClientTimeoutError,
 )
+from pytriton.client.utils import TritonUrl
 from pytriton.client.warnings import NotSupportedTimeoutWarning
 
-from deploy.triton_deployable import MODEL_TYPE_MODALITY, VIDEO_MODEL_TYPES
+from deploy.triton_deployable import MODEL_TYPE_MODALITY, VIDEO_MODEL_TYPES, stream_model_name
 from query import media as media_io
 
 DEFAULT_INFERENCE_TIMEOUT_S = 300.0
@@ -26,6 +32,17 @@ DEFAULT_INFERENCE_TIMEOUT_S = 300.0
 # PyTriton warns on each client that gRPC ignores timeouts outside inference; those that matter still apply.
 warnings.filterwarnings("ignore", category=NotSupportedTimeoutWarning)
 
+
+class _OwnCancellationFilter(logging.Filter):
+    """Drops PyTriton's error log for a stream that `query_stream` cancels because its reader stopped early."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Locally cancelled by application" not in record.getMessage()
+
+
+logging.getLogger("pytriton.client.client").addFilter(_OwnCancellationFilter())
+
+_HTTP_STREAM_INPUTS = ("input_text", "input_media_bytes")  # JSON carries text and files; raw arrays need gRPC
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): ", re.MULTILINE)
 _WRAPPER_ERRORS = {"TritonModelException", "InferenceServerException"}
 
@@ -137,6 +154,37 @@ class NemoQueryMultimodal:
                     answers[index] = output
         return np.array([[_decode(answer) for answer in row] for row in answers])
 
+    def query_stream(
+        self,
+        input_text: str,
+        input_media=None,
+        max_output_len: int = 30,
+        top_k: int = 1,
+        top_p: float = 0.0,
+        temperature: float = 1.0,
+        repetition_penalty: float = 1.0,
+        init_timeout: float = 60.0,
+        lora_uids: Sequence[str] | None = None,
+        inference_timeout: float = DEFAULT_INFERENCE_TIMEOUT_S,
+    ) -> Iterator[str]:
+        """Yield the answer to one prompt piece by piece as the server generates it; the pieces join to the answer.
+
+        Asks the streaming model `<model_name>_stream` that `deploy_triton.py --streaming` serves: over gRPC
+        (`grpc://host:port`) with a decoupled stream, over HTTP with Triton's `generate_stream` (server-sent
+        events; media go as base64 `data:` URLs). Stopping early closes the stream. Raises QueryError with the
+        server's message when the server fails the request.
+        """
+        if not isinstance(input_text, str):
+            raise TypeError("query_stream answers one prompt: input_text must be a str (use query for several)")
+        params = _param_inputs(None, max_output_len, top_k, None, top_p, temperature, repetition_penalty, lora_uids)
+        row = {"input_text": np.array([input_text.encode("utf-8")], dtype=np.bytes_)}
+        row.update(self._media_inputs(input_media), **params)
+        url = TritonUrl.from_url(self.url)
+        model_name = stream_model_name(self.model_name)
+        if url.scheme == "grpc":
+            return _grpc_stream(url.with_scheme, model_name, row, init_timeout, inference_timeout)
+        return _http_stream(url.with_scheme, model_name, _generate_json(row), inference_timeout)
+
     def close(self) -> None:
         """Close the Triton client (a later query opens a new one)."""
         with self._lock:
@@ -205,17 +253,98 @@ class NemoQueryMultimodal:
     ) -> np.ndarray:
         try:
             return client.infer_batch(**inputs)["outputs"]
-        except PyTritonClientInferenceServerError as error:
-            message = server_error_summary(error.message)
-            raise QueryError(f"the server failed the request: {message}", error.message) from None
-        except PyTritonClientTimeoutError as error:
-            self._close_client()
-            raise QueryError(
-                f"no answer within {inference_timeout} s (inference_timeout)", error.message
-            ) from None
         except PyTritonClientError as error:
-            self._close_client()
-            raise QueryError(f"the query failed: {error.message}", error.message) from None
+            if not isinstance(error, PyTritonClientInferenceServerError):
+                self._close_client()
+            raise _query_error(error, inference_timeout) from None
+
+
+def _query_error(error: PyTritonClientError, inference_timeout: float) -> QueryError:
+    """A failed Triton call as a QueryError: the server's own message, a timeout, or the client's failure."""
+    if isinstance(error, PyTritonClientInferenceServerError):
+        return QueryError(f"the server failed the request: {server_error_summary(error.message)}", error.message)
+    if isinstance(error, PyTritonClientTimeoutError):
+        return QueryError(f"no answer within {inference_timeout} s (inference_timeout)", error.message)
+    return QueryError(f"the query failed: {error.message}", error.message)
+
+
+def _grpc_stream(
+    url: str, model_name: str, row: dict[str, np.ndarray], init_timeout: float, inference_timeout: float
+) -> Iterator[str]:
+    client = DecoupledModelClient(url, model_name, init_timeout_s=init_timeout, inference_timeout_s=inference_timeout)
+    responses = None
+    finished = False
+    try:
+        responses = client.infer_sample(**row)
+        for result in responses:
+            yield _decode(result["outputs"][0])
+        finished = True
+    except PyTritonClientError as error:
+        raise _query_error(error, inference_timeout) from None
+    finally:
+        if not finished:  # PyTriton's close() would wait for the rest of the answer: cancel the stream instead
+            client._infer_client.stop_stream(cancel_requests=True)
+        if responses is not None:
+            responses.close()
+        client.close()
+
+
+def _http_stream(url: str, model_name: str, body: dict[str, object], inference_timeout: float) -> Iterator[str]:
+    request = urllib.request.Request(
+        f"{url}/v2/models/{model_name}/generate_stream",
+        data=json.dumps(body).encode("utf-8"),
+        headers={"Content-Type": "application/json", "Accept": "text/event-stream"},
+    )
+    try:
+        response = urllib.request.urlopen(request, timeout=inference_timeout)
+    except urllib.error.HTTPError as error:  # failed before the first piece: the body holds the error
+        message = _sse_error(error.read()) or f"HTTP {error.code} {error.reason}"
+        raise QueryError(f"the server failed the request: {server_error_summary(message)}", message) from None
+    except (urllib.error.URLError, TimeoutError) as error:
+        raise QueryError(f"the query failed: {error}", str(error)) from None
+    with response:
+        for line in response:
+            if not line.startswith(b"data:"):
+                continue
+            event = json.loads(line[len(b"data:") :])
+            if "error" in event:
+                raise QueryError(
+                    f"the server failed the request: {server_error_summary(event['error'])}", event["error"]
+                )
+            outputs = event.get("outputs", "")
+            yield outputs if isinstance(outputs, str) else "".join(outputs)
+
+
+def _generate_json(row: dict[str, np.ndarray]) -> dict[str, object]:
+    """A request row as the JSON of Triton's generate extension: strings, numbers, lists; media as data: URLs."""
+    raw = sorted(name for name in row if name.startswith("input_") and name not in _HTTP_STREAM_INPUTS)
+    if raw:
+        raise ValueError(
+            f"{', '.join(raw)} cannot be streamed over HTTP; stream over gRPC (grpc://host:port) "
+            "or send the media as files (raw_pixels=False)"
+        )
+    body: dict[str, object] = {}
+    for name, value in row.items():
+        items = [_json_value(name, item) for item in value.tolist()]
+        body[name] = items[0] if len(items) == 1 and name != "input_media_bytes" else items
+    return body
+
+
+def _json_value(name: str, item: object) -> object:
+    if not isinstance(item, bytes):
+        return item
+    if name == "input_media_bytes":
+        return "data:application/octet-stream;base64," + base64.b64encode(item).decode("ascii")
+    return item.decode("utf-8")
+
+
+def _sse_error(body: bytes) -> str | None:
+    """The error message in a Triton error body (plain JSON or one server-sent event)."""
+    text = body.decode("utf-8", errors="replace").strip().removeprefix("data:")
+    try:
+        return str(json.loads(text)["error"])
+    except (ValueError, KeyError, TypeError):
+        return text or None
 
 
 def _param_inputs(

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from deploy import DeployPyTriton
 from deploy.startup import DeployError, check_model_repository, check_port_free
-from deploy.triton_deployable import MODEL_TYPE_MODALITY, modality_of
+from deploy.triton_deployable import MODEL_TYPE_MODALITY, modality_of, stream_model_name
 
 LOGGER = logging.getLogger("deploy_triton")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -92,6 +92,8 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     (None, "--tokenizer_path", str, None, None, "local tokenizer, if not in the checkpoint"),
     (None, "--openai_port", int, None, None, "port of an OpenAI-compatible HTTP API (/v1/chat/completions)"),
     (None, "--openai_address", str, None, None, "address the OpenAI API listens on (default: --triton_http_address)"),
+    (None, "--openai_max_request_bytes", int, None, None,
+     "bytes of one OpenAI request body (default: room for media_max_items media as base64, plus 1 MiB)"),
     (None, "--media_timeout_s", float, None, 10.0, "total time to fetch one media URL"),
     (None, "--media_max_bytes", int, None, 20 * 1024 * 1024, "bytes of one media item"),
     (None, "--media_max_image_pixels", int, None, 40_000_000, "width x height of one image"),
@@ -129,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--streaming",
         action="store_true",
         default=None,
-        help="stream tokens as generated (not available yet)",
+        help="also serve <triton_model_name>_stream, a decoupled model that streams the answer as it is generated",
     )
     parser.add_argument(
         "--media_allow_private_networks",
@@ -200,8 +202,6 @@ def _validate(settings: dict) -> None:
             )
         settings["modality"] = expected
     settings["modality"] = settings["modality"] or "vision"
-    if settings["streaming"]:
-        raise ValueError("--streaming is not available yet; serve without it")
     try:
         media_policy(argparse.Namespace(**settings))  # a bad media option fails here, before anything starts
     except ValueError as error:
@@ -288,7 +288,7 @@ def start_openai_server(settings: argparse.Namespace, exporter):
     from deploy.openai_api import create_app
     from deploy.openai_server import OpenAIServer
 
-    app = create_app(exporter, settings.triton_model_name, media_policy(settings))
+    app = create_app(exporter, settings.triton_model_name, media_policy(settings), settings.openai_max_request_bytes)
     server = OpenAIServer(app, host=settings.openai_address or settings.triton_http_address, port=settings.openai_port)
     server.start()
     return server
@@ -321,15 +321,21 @@ def main(argv: list[str] | None = None) -> int:
             http_port=settings.triton_port,
             grpc_port=settings.grpc_port,
             address=address,
+            streaming=settings.streaming,
         )
         deployer.deploy()
-        openai_server = start_openai_server(settings, deployer.model)
+        try:
+            openai_server = start_openai_server(settings, deployer.model)
+        except (DeployError, ValueError):
+            deployer.stop()
+            raise
     except (DeployError, ValueError) as error:
         print(f"deploy_triton.py: error: {error}", file=sys.stderr)
         return 1
+    names = [settings.triton_model_name] + ([stream_model_name(settings.triton_model_name)] if settings.streaming else [])
     LOGGER.info(
         "serving %s on %s (HTTP %d, gRPC %d)",
-        settings.triton_model_name,
+        " and ".join(names),
         address,
         settings.triton_port,
         settings.grpc_port,

@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--raw_pixels", action="store_true", help="send decoded pixels/samples instead of the file"
     )
+    parser.add_argument(
+        "--streaming",
+        action="store_true",
+        help="print the answer as it is generated (the server runs deploy_triton.py --streaming)",
+    )
     return parser
 
 
@@ -69,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         media_timeout_s=args.media_timeout,
     )
     try:
+        if args.streaming:
+            return _print_stream(client, args)
         with client:
             answers = client.query(
                 input_text=args.input_text,
@@ -84,12 +91,34 @@ def main(argv: list[str] | None = None) -> int:
                 lora_uids=args.lora_task_uids,
                 inference_timeout=args.inference_timeout,
             )
-    except (QueryError, MediaError) as error:
+    except (QueryError, MediaError, ValueError) as error:
         print(f"query.py: error: {error}", file=sys.stderr)
         return 1
     for beams in answers:
         for answer in beams:
             print(answer)
+    return 0
+
+
+def _print_stream(client: NemoQueryMultimodal, args: argparse.Namespace) -> int:
+    """Print the pieces of one streamed answer as they arrive, then a newline."""
+    if args.num_beams != 1:
+        raise QueryError("--streaming returns one answer; leave --num_beams at 1")
+    pieces = client.query_stream(
+        input_text=args.input_text,
+        input_media=args.input_media,
+        max_output_len=args.max_output_len,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        temperature=args.temperature,
+        repetition_penalty=args.repetition_penalty,
+        init_timeout=args.init_timeout,
+        lora_uids=args.lora_task_uids,
+        inference_timeout=args.inference_timeout,
+    )
+    for piece in pieces:
+        print(piece, end="", flush=True)
+    print()
     return 0
 
 

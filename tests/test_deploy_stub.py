@@ -196,8 +196,8 @@ def test_failing_warm_up_stops_the_deployment():
     assert deployer.triton is None
 
 
-def test_streaming_is_not_available_yet():
-    with pytest.raises(NotImplementedError, match="streaming"):
+def test_streaming_needs_a_model_that_streams():
+    with pytest.raises(TypeError, match="triton_stream_request"):
         DeployPyTriton(StubMultimodalModel(), MODEL, streaming=True)
 
 
@@ -416,7 +416,6 @@ def test_deploy_script_flags_config_and_overrides(tmp_path):
         (["-tmn", "m", "-mt", "salm", "-mod", "vision"], "takes --modality audio"),
         (["-mt", "neva"], "no model name"),
         (["-tmn", "m", "-vc", "x.nemo"], "needs -mt/--model_type"),
-        (["-tmn", "m", "--streaming"], "not available yet"),
         (["--config", "no_such_config"], "not found"),
     ]:
         with pytest.raises(ValueError, match=message):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -98,8 +98,8 @@ class Pipeline:
                 results[i] = error
         return results
 
-    def stream(self, request: Request) -> Iterator[str]:
-        """Yield the text of one request's answer piece by piece as tokens are generated."""
+    def stream(self, request: Request) -> Generator[str, None, Completion]:
+        """Yield the text of one request's answer piece by piece as tokens are generated; return its Completion."""
         (prepared,) = self._prepare([request])
         if isinstance(prepared, Exception):
             raise prepared
@@ -121,6 +121,7 @@ class Pipeline:
             text = self.engine.tokenizer.decode(generated).strip()
             if text.startswith(sent) and len(text) > len(sent):
                 yield text[len(sent):]
+            return self._completion([generated], prepared.layout)
         finally:
             handle.cancel()  # a consumer that stops early frees the slot
 

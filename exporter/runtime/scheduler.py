@@ -11,7 +11,9 @@ before the host reads the current one's tokens, so the device does not wait for 
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +52,10 @@ class Handle:
     @property
     def done(self) -> bool:
         return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the request has finished (done, failed or cancelled); False if ``timeout`` ran out first."""
+        return self._finished.wait(timeout)
 
     def result(self, timeout: float | None = None) -> list[int]:
         """The generated ids (EOS excluded); raises the request's error, or RequestCancelled."""
@@ -126,6 +132,8 @@ class Scheduler:
             self._stopping = False
             self._thread = threading.Thread(target=self._loop, name="scheduler", daemon=True)
             self._thread.start()
+            # A daemon thread still inside a torch call when the interpreter exits aborts the process: stop first.
+            atexit.register(_stop_if_alive, weakref.ref(self))
 
     def stop(self) -> None:
         """Stop the background loop; unfinished requests end with RequestCancelled."""
@@ -263,3 +271,8 @@ class Scheduler:
         handle = self.slots[index].handle
         self.slots[index] = None
         handle._finish()
+
+
+def _stop_if_alive(scheduler: weakref.ref[Scheduler]) -> None:
+    if (alive := scheduler()) is not None:
+        alive.stop()
