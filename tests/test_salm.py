@@ -94,6 +94,19 @@ def test_engine_directory_layout_and_template(salm, exporter):
     assert (template["prompt"], template["add_bos"], template["stop_tokens"]) == ("Q: {message}\nA:", False, ["[EOG]"])
 
 
+@pytest.mark.parametrize("frontend", ["nemo-2.4", "nemo-2.5"])
+def test_the_audio_frontend_option_is_recorded_and_served(salm, clips, frontend, tmp_path):
+    chosen = TensorRTMMExporter(tmp_path, modality="audio", device="cpu")
+    chosen.export(salm.nemo, model_type="salm", dtype="float32", audio_frontend=frontend, **LIMITS)
+    config = json.loads((tmp_path / "perception_engine" / "config.json").read_text())
+    assert config["perception"]["frontend"] == chosen.engine.perception.perception.frontend == frontend
+    samples = len(clips.wav_signal)
+    _, mel_lengths = chosen.engine.perception.perception.features(torch.from_numpy(clips.wav_signal)[None],
+                                                                  torch.tensor([samples]))
+    assert int(mel_lengths[0]) == samples // 160 + (1 if frontend == "nemo-2.4" else 0)  # the reference's §2.3
+    chosen.pipeline.close()
+
+
 def test_nemo_runner_prompt_and_raw_text(exporter, clips):
     default = _ids(exporter, "", str(clips.wav))
     assert _ids(exporter, "Q: what's the transcription of the audio? A:", str(clips.wav)) == default

@@ -50,7 +50,8 @@ def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *, 
                   llm_checkpoint_path: str | Path | None = None, llm_model_type: str = "llama",
                   limits: EngineLimits | None = None, dtype: str = "bfloat16",
                   vision_tower_path: str | None = None, tokenizer_path: str | None = None,
-                  export_onnx: bool = False, rename_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+                  export_onnx: bool = False, rename_keys: tuple[str, ...] = (),
+                  audio_frontend: str | None = None) -> dict[str, Any]:
     """Read the checkpoint(s), build perception and LLM, write the engine directory; return the manifest."""
     kind = get_model_type(model_type)
     target = torch_dtype(dtype)
@@ -61,7 +62,7 @@ def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *, 
     weights = checkpoint.state_dict()
 
     encoder = kind.build_perception(config, weights, dtype=torch.float32 if target == torch.float32 else target,
-                                    vision_tower_path=vision_tower_path)
+                                    vision_tower_path=vision_tower_path, audio_frontend=audio_frontend)
     perception_facts = kind.save_perception(encoder, model_dir / kind.perception_dir, config)
     limits.check_export(perception_facts["features_per_item"])
     if export_onnx:

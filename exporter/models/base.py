@@ -49,8 +49,9 @@ class ModelType(ABC):
 
     @abstractmethod
     def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                         vision_tower_path: str | None) -> torch.nn.Module:
-        """Build the perception encoder from the checkpoint's config and canonical weights."""
+                         vision_tower_path: str | None, audio_frontend: str | None = None) -> torch.nn.Module:
+        """Build the perception encoder from the checkpoint's config and canonical weights. ``vision_tower_path``
+        concerns vision types, ``audio_frontend`` (``"nemo-2.4"`` or ``"nemo-2.5"``) audio types; others ignore it."""
 
     @abstractmethod
     def save_perception(self, encoder: torch.nn.Module, directory: Path, model_config: Any) -> dict:

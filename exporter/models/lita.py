@@ -195,7 +195,7 @@ class LitaModel(ImageModel):
     """Export/load half of LITA and VITA: Neva's encoder and files plus the LITA settings."""
 
     def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                         vision_tower_path: str | None) -> VisionEncoder:
+                         vision_tower_path: str | None, audio_frontend: str | None = None) -> VisionEncoder:
         settings = lita_settings(model_config)
         encoder = super().build_perception(model_config, state_dict, dtype=dtype,
                                            vision_tower_path=vision_tower_path)

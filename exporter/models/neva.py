@@ -34,7 +34,7 @@ class ImageModel(ModelType):
         self.name = name
 
     def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                         vision_tower_path: str | None) -> VisionEncoder:
+                         vision_tower_path: str | None, audio_frontend: str | None = None) -> VisionEncoder:
         return build_vision_encoder(model_config, state_dict, vision_tower_path, dtype=dtype)
 
     def save_perception(self, encoder: VisionEncoder, directory: Path, model_config: Any) -> dict:

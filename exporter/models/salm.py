@@ -39,14 +39,14 @@ class SalmModel(ModelType):
     perception_dir = "perception_engine"
 
     def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                         vision_tower_path: str | None) -> AudioPerception:
+                         vision_tower_path: str | None, audio_frontend: str | None = None) -> AudioPerception:
         """The perception module in float32 (NeMo computes audio features in float32), weights loaded."""
         section, weights = perception_section(model_config, state_dict)
         if not any(name.startswith("encoder.") for name in weights):
             raise ValueError("the checkpoint holds no perception.encoder weights: NeMo leaves a frozen audio encoder "
                              "out of SALM checkpoints (freeze_audio_encoder) and reloads it from "
                              "model.pretrained_audio_model; save a checkpoint that holds the encoder weights")
-        perception = AudioPerception.from_config(section)
+        perception = AudioPerception.from_config(section, frontend=audio_frontend)
         perception.load_state_dict(weights)
         return perception.float().eval()
 

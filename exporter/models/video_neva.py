@@ -138,7 +138,7 @@ class VideoNevaModel(ImageModel):
         super().__init__(name)
 
     def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                         vision_tower_path: str | None) -> VisionEncoder:
+                         vision_tower_path: str | None, audio_frontend: str | None = None) -> VisionEncoder:
         video_neva_settings(model_config)
         return super().build_perception(model_config, state_dict, dtype=dtype, vision_tower_path=vision_tower_path)
 
