@@ -21,9 +21,12 @@ import dataclasses
 import io
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
-from pytriton.model_config import Tensor
+
+if TYPE_CHECKING:
+    from pytriton.model_config import Tensor
 
 MODEL_TYPE_MODALITY: dict[str, str] = {
     "neva": "vision",
@@ -64,6 +67,8 @@ def stream_model_name(model_name: str) -> str:
 
 def multimodal_triton_inputs(modality: str) -> tuple[Tensor, ...]:
     """Triton input specs for a modality: text, media (encoded or raw), then the generation parameters."""
+    from pytriton.model_config import Tensor
+
     if modality not in MODALITIES:
         raise ValueError(f"unknown modality {modality!r}; choose one of {', '.join(MODALITIES)}")
     media: tuple[Tensor, ...]
@@ -87,6 +92,8 @@ def multimodal_triton_inputs(modality: str) -> tuple[Tensor, ...]:
 
 def multimodal_triton_outputs() -> tuple[Tensor, ...]:
     """Triton output specs: `outputs`, one UTF-8 answer per beam for each row."""
+    from pytriton.model_config import Tensor
+
     return (Tensor(name="outputs", shape=(-1,), dtype=bytes),)
 
 
