@@ -14,6 +14,7 @@ Translation to the pipeline (`exporter.runtime.Request`):
 - `max_tokens` (or `max_completion_tokens`) → `max_output_len` (default: the engine's limit); `temperature`,
   `top_p`, `seed`, `stop` → `SamplingParams`; `top_k` and `repetition_penalty` are accepted as extensions. With
   neither `temperature` nor `top_p` the answer is greedy (NeMo's default); `temperature: 0` is greedy too.
+- A streaming client that closes its connection cancels its generation at the next token (`relay`).
 - `usage.prompt_tokens` counts the prompt's positions including media features; `completion_tokens` the tokens
   generated. Stop strings are cut from the text (they still count as generated tokens).
 
@@ -27,10 +28,11 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Generator, Iterator
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -417,6 +419,16 @@ def stream_events(pieces: Iterator[str], request: PipelineRequest, model: str, i
             close()  # a client that went away frees its generation slot
 
 
+async def relay(events: Generator[str, None, None]) -> AsyncIterator[str]:
+    """`events` (blocking) relayed from worker threads, and closed as soon as the relay ends: when a client goes
+    away mid-answer, its generation is cancelled at the next token rather than whenever the generator is collected."""
+    try:
+        while (event := await anyio.to_thread.run_sync(next, events, None)) is not None:
+            yield event
+    finally:
+        events.close()  # not running: a cancelled relay returns only once its worker thread's next() did
+
+
 # --- the app ------------------------------------------------------------------------------------------------------
 
 class _BodyLimit:
@@ -463,6 +475,8 @@ def default_max_request_bytes(policy: MediaPolicy) -> int:
 def create_app(exporter: Any, model_name: str, policy: MediaPolicy | None = None,
                max_request_bytes: int | None = None) -> FastAPI:
     """The FastAPI app serving `exporter` as model `model_name`; `app.state.ready` gates `/v1/health/ready`."""
+    if max_request_bytes is not None and max_request_bytes < 1:
+        raise ValueError(f"openai_max_request_bytes must be a positive number of bytes, got {max_request_bytes}")
     policy = policy or MediaPolicy()
     model = ServedModel(model_name, exporter)
     app = FastAPI(title="nemo-mm-deploy OpenAI-compatible API")
@@ -477,6 +491,10 @@ def create_app(exporter: Any, model_name: str, policy: MediaPolicy | None = None
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
         first = error.errors()[0]
+        if first.get("type") == "json_invalid":
+            reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+            return APIError(400, f"the request body is not valid JSON ({reason}); send a JSON object",
+                            code="invalid_json").response()
         where = [str(part) for part in first.get("loc", ()) if part != "body"]
         message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}"
         return APIError(422, message, param=".".join(where) or None, code="invalid_parameter").response()
@@ -485,6 +503,10 @@ def create_app(exporter: Any, model_name: str, policy: MediaPolicy | None = None
     async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
         return APIError(error.status_code, str(error.detail), code="not_found" if error.status_code == 404 else None
                         ).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, error: Exception) -> JSONResponse:
+        return api_error(error).response()
 
     def require_ready() -> None:
         if not app.state.ready:
@@ -530,7 +552,7 @@ def create_app(exporter: Any, model_name: str, policy: MediaPolicy | None = None
         except Exception as error:  # noqa: BLE001 - mapped to an OpenAI error object
             raise api_error(error) from error
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(stream_events(pieces, request, model_name, include_usage),
+        return StreamingResponse(relay(stream_events(pieces, request, model_name, include_usage)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     return app
