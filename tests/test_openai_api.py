@@ -38,6 +38,7 @@ from exporter.llm.generate import SamplingParams
 from exporter.media_safety import MediaPolicy
 from exporter.runtime import Request
 from query import NemoQueryMultimodal
+from salm_fixtures import build_salm, write_clips
 from test_serve_demo import COLOR_Q, MODEL, REPO, SHAPE_Q
 from test_serve_demo import server as triton_demo  # noqa: F401 - the module's Triton server fixture
 from test_video_serving import TYPES as VIDEO_TYPES
@@ -472,6 +473,25 @@ def test_video_model_takes_video_url_and_image_url(tmp_path):
         broken = [{"type": "video_url", "video_url": {"url": data_url(b"\0\0\0\x18ftypmp42 cut", "video/mp4")}}]
         assert_error_object(*post(url + "/chat/completions", {"model": "video", "messages": [
             {"role": "user", "content": broken}]}), 400, "video")
+
+
+def test_audio_model_takes_input_audio(tmp_path):
+    salm = build_salm(tmp_path / "salm")
+    clips = write_clips(tmp_path / "clips")
+    exporter = TensorRTMMExporter(tmp_path / "engine", modality="audio", device="cpu")
+    exporter.export(salm.nemo, model_type="salm", dtype="float32", max_batch_size=2, max_input_len=256,
+                    max_output_len=8, max_multimodal_len=256)
+    with serving(create_app(exporter, "salm")) as url:
+        for path, audio_format in ((clips.wav, "wav"), (clips.mp3, "mp3")):
+            content = [{"type": "input_audio", "input_audio": {
+                "data": base64.b64encode(path.read_bytes()).decode(), "format": audio_format}}]
+            answer = client(url).chat.completions.create(model="salm", max_tokens=6,
+                                                         messages=[{"role": "user", "content": content}])
+            assert [[answer.choices[0].message.content]] == exporter.forward("", str(path), max_output_len=6)
+        image = [{"type": "image_url", "image_url": {"url": data_url(noise_png(8))}}]
+        assert_error_object(*post(url + "/chat/completions", {"model": "salm", "messages": [
+            {"role": "user", "content": image}]}), 400, "input_audio")
+    exporter.pipeline.close()
 
 
 # --- the deploy script with --openai_port, and curl -----------------------------------------------------------------
