@@ -26,6 +26,7 @@ from deploy.triton_deployable import (
 
 from .engine import Engine, EngineLimits, export_engine, load_engine, prepare_model_dir, read_manifest
 from .llm.generate import SamplingParams
+from .media_safety import MediaPolicy
 from .models import get_model_type
 from .runtime import Completion, Pipeline, Request
 
@@ -41,16 +42,18 @@ class TensorRTMMExporter(ITritonDeployable):
     """Export a NeMo multimodal checkpoint to an engine directory and run or serve it.
 
     ``model_dir`` is the engine directory; with ``load_model=True`` an existing engine there is loaded at once.
+    ``media_policy`` caps the media the model decodes (image pixels, video frames and duration, audio bytes and
+    duration); None keeps each model type's defaults.
     """
 
     def __init__(self, model_dir: str | Path, load_model: bool = True, modality: str = "vision",
-                 device: str | None = None, max_image_pixels: int | None = None):
+                 device: str | None = None, media_policy: MediaPolicy | None = None):
         if modality not in MODALITIES:
             raise InvalidModalityError(f"modality must be one of {MODALITIES}, got {modality!r}")
         self.model_dir = Path(model_dir)
         self.modality = modality
         self.device = device or _default_device()
-        self.max_image_pixels = max_image_pixels
+        self.media_policy = media_policy
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
         if load_model and (self.model_dir / "manifest.json").is_file():
@@ -118,7 +121,7 @@ class TensorRTMMExporter(ITritonDeployable):
                                        f"not {self.modality!r}")
         if self.pipeline is not None:
             self.pipeline.close()
-        self.engine = load_engine(self.model_dir, device=self.device, max_image_pixels=self.max_image_pixels)
+        self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy)
         self.pipeline = Pipeline(self.engine)
 
     def forward(

@@ -101,6 +101,7 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     (None, "--media_max_image_pixels", int, None, 40_000_000, "width x height of one image"),
     (None, "--media_max_video_frames", int, None, 20_000, "frames of one video"),
     (None, "--media_max_video_duration_s", float, None, 3600.0, "seconds of one video"),
+    (None, "--media_max_audio_duration_s", float, None, 600.0, "seconds of one audio clip"),
     (None, "--media_max_items", int, None, 8, "media items in one OpenAI request"),
     (None, "--media_allowed_domains", str, None, None, "comma-separated hosts media URLs may come from (default: any)"),
     (None, "--media_local_dir", str, None, None, "folder media file:// URLs may be read from (default: none)"),
@@ -229,7 +230,7 @@ def build_deployable(settings: argparse.Namespace):
     try:
         exporter = TensorRTMMExporter(
             model_dir=str(repository), load_model=not exporting, modality=settings.modality,
-            max_image_pixels=settings.media_max_image_pixels, **extra
+            media_policy=media_policy(settings), **extra
         )
         if exporting:
             step = "the export"
@@ -266,7 +267,7 @@ def _export_arguments(settings: argparse.Namespace) -> dict:
 
 
 def media_policy(settings: argparse.Namespace):
-    """The media limits of the OpenAI API from the --media_* options."""
+    """The media limits (OpenAI API fetching, decoding on every path) from the --media_* options."""
     from exporter.media_safety import MediaPolicy
 
     domains = settings.media_allowed_domains
@@ -276,6 +277,7 @@ def media_policy(settings: argparse.Namespace):
         max_image_pixels=settings.media_max_image_pixels,
         max_video_frames=settings.media_max_video_frames,
         max_video_duration_s=settings.media_max_video_duration_s,
+        max_audio_duration_s=settings.media_max_audio_duration_s,
         max_items=settings.media_max_items,
         allowed_domains=None if domains is None else tuple(d for d in domains.split(",") if d.strip()),
         allow_private_networks=bool(settings.media_allow_private_networks),

@@ -19,6 +19,7 @@ from exporter import TensorRTMMExporter
 from exporter.engine import EngineError
 from exporter.llm.generate import SamplingParams
 from exporter.lora import LoraMergeError, lora_alpha_and_dim, merge_lora
+from exporter.media_safety import MediaPolicy
 from exporter.models.salm import SalmModel, salm_prompt, salm_template
 from exporter.perception.audio_io import AudioLimits, AudioLoadError, load_audio
 from exporter.runtime import Completion, Request
@@ -287,3 +288,14 @@ def test_cuda_answers_equal_the_reference(salm, clips, exporter):
         assert [r.token_ids[0] for r in results] == expected
     finally:
         gpu.pipeline.close()
+
+
+def test_the_media_policy_caps_what_the_engine_decodes(exporter, clips):
+    seconds = len(clips.wav_signal) / RATE
+    capped = TensorRTMMExporter(exporter.model_dir, modality="audio", device="cpu",
+                                media_policy=MediaPolicy(max_audio_duration_s=seconds / 2, max_bytes=10**6))
+    params = SamplingParams(max_output_len=STEPS)
+    too_long, too_big = capped.generate([Request("", str(clips.wav), params), Request("", b"\0" * (10**6 + 1), params)])
+    assert isinstance(too_long, AudioLoadError) and "--media_max_audio_duration_s" in str(too_long)
+    assert isinstance(too_big, AudioLoadError) and "--media_max_bytes" in str(too_big)
+    capped.pipeline.close()

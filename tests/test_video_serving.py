@@ -10,6 +10,10 @@ import pytest
 from deploy import DeployPyTriton
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
+from exporter.llm.generate import SamplingParams
+from exporter.media_safety import MediaPolicy
+from exporter.perception.video import VideoLoadError
+from exporter.runtime import Request
 from query import NemoQueryMultimodal
 from vlm_fixtures import build_vlm, tokenizer_file
 
@@ -70,6 +74,17 @@ def test_mixed_batch_of_videos_equals_each_alone(exported, videos):
     alone = [exporter.forward(q, str(v), max_output_len=STEPS)[0] for q, v in zip(questions, videos)]
     together = exporter.forward(questions, [str(v) for v in videos], max_output_len=STEPS)
     assert together == alone
+
+
+def test_the_media_policy_caps_the_frames_the_engine_decodes(exported, videos):
+    _, exporter = exported
+    capped = TensorRTMMExporter(exporter.model_dir, device="cpu", media_policy=MediaPolicy(max_video_frames=5))
+    short, long = capped.generate([Request("describe", str(videos[1]), SamplingParams(max_output_len=STEPS)),
+                                   Request("describe", str(videos[0]), SamplingParams(max_output_len=STEPS))])
+    assert short.texts == exporter.forward("describe", str(videos[1]), max_output_len=STEPS)[0]  # 4 frames
+    assert isinstance(long, VideoLoadError) and "over the limit of 5 " in str(long)
+    assert "--media_max_video_frames" in str(long)
+    capped.pipeline.close()
 
 
 def test_server_answers_video_bytes(exported, videos):

@@ -25,6 +25,7 @@ from ..llm.config import DecoderConfig
 from ..llm.model import Decoder, select_llm_weights
 from ..llm.tokenizer import Tokenizer, load_saved_tokenizer
 from ..lora import merge_lora
+from ..media_safety import MediaPolicy
 from ..models import Perception, get_model_type
 from ..models.templates import ChatTemplate
 from .limits import EngineLimits
@@ -166,8 +167,8 @@ def read_manifest(model_dir: str | Path) -> dict[str, Any]:
 
 
 def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = None,
-                max_image_pixels: int | None = None) -> Engine:
-    """Load an exported engine directory (no checkpoint, no network) onto ``device``."""
+                media: MediaPolicy | None = None) -> Engine:
+    """Load an exported engine directory (no checkpoint, no network) onto ``device``; ``media`` caps decoding."""
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
     kind = get_model_type(manifest["model_type"])
@@ -179,7 +180,7 @@ def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = 
     tokenizer = load_saved_tokenizer(llm_dir, json.loads((llm_dir / "tokenizer_description.json").read_text()))
     template = ChatTemplate.from_dict(json.loads((llm_dir / "template.json").read_text()))
     perception = kind.load_perception(model_dir / kind.perception_dir, device=device, dtype=target,
-                                      max_image_pixels=max_image_pixels)
+                                      media=media)
     return Engine(manifest, EngineLimits(**manifest["limits"]), decoder, tokenizer, template, perception)
 
 

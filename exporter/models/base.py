@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ..llm.tokenizer import Tokenizer
+from ..media_safety import MediaPolicy
 from .templates import ChatTemplate, resolve_template
 
 
@@ -59,8 +60,9 @@ class ModelType(ABC):
 
     @abstractmethod
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
-                        max_image_pixels: int | None = None) -> Perception:
-        """Rebuild the runtime perception (preprocessing + encoder) from ``directory``."""
+                        media: MediaPolicy | None = None) -> Perception:
+        """Rebuild the runtime perception (preprocessing + encoder) from ``directory``; ``media`` caps what the
+        perception decodes (pixels, frames, duration, bytes), None keeps its defaults."""
 
     def chat_template(self, model_config: Any) -> ChatTemplate:
         """The prompt format the checkpoint was trained with (by default its conversation template)."""

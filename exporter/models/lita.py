@@ -28,12 +28,13 @@ import torch
 from torch.nn import functional as F
 
 from ..llm.tokenizer import Tokenizer
+from ..media_safety import MediaPolicy
 from ..perception.image_preprocess import ImagePreprocessor
 from ..perception.video import VideoLimits, lita_num_sample_frames, rounded_indices
 from ..perception.vision_encoder import VisionEncoder
 from .base import MultimodalInputError
 from .neva import ImageModel
-from .video_neva import Piece, VideoPerception, read_config_section, write_config_section
+from .video_neva import Piece, VideoPerception, read_config_section, video_limits, write_config_section
 
 VIDEO_ARCHS = {"im_vid_start_end": ("temporal_all_resolution",), "v1": ("temporal_spatial_pool", "temporal_spatial")}
 POOL_FRAMES = 4  # temporal_spatial_pool: 2x2 pooling of 4 frames, fixed in training
@@ -209,8 +210,8 @@ class LitaModel(ImageModel):
         return {"features_per_item": features_per_video(settings, encoder.tokens_per_image)}
 
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
-                        max_image_pixels: int | None = None,
-                        video_limits: VideoLimits | None = None) -> LitaPerception:
-        image = super().load_perception(directory, device=device, dtype=dtype, max_image_pixels=max_image_pixels)
+                        media: MediaPolicy | None = None) -> LitaPerception:
+        image = super().load_perception(directory, device=device, dtype=dtype, media=media)
         settings = LitaSettings(**read_config_section(directory, "lita"))
-        return LitaPerception(image.encoder, image.preprocessor, image.use_im_start_end, video_limits, settings)
+        return LitaPerception(image.encoder, image.preprocessor, image.use_im_start_end, video_limits(media),
+                              settings)

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..llm.tokenizer import Tokenizer
+from ..media_safety import MediaPolicy
 from ..perception.vision_encoder import VisionEncoder, build_vision_encoder
 from ..runtime.cuda_graphs import GraphedCall
 from .base import ModelType, MultimodalInputError, Perception, PromptLayout
@@ -47,11 +48,11 @@ class ImageModel(ModelType):
         return {"features_per_item": encoder.tokens_per_image}
 
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
-                        max_image_pixels: int | None = None) -> ImagePerception:
+                        media: MediaPolicy | None = None) -> ImagePerception:
         config = json.loads((directory / "config.json").read_text())
         weights = load_file(str(directory / "model.safetensors"))
         encoder = VisionEncoder.from_spec(config["encoder"], weights, dtype=dtype).to(device)
-        overrides = {} if max_image_pixels is None else {"max_image_pixels": max_image_pixels}
+        overrides = {} if media is None else {"max_image_pixels": media.max_image_pixels}
         return ImagePerception(encoder, encoder.preprocessor(**overrides), config["use_im_start_end"])
 
 

@@ -21,6 +21,7 @@ from omegaconf.errors import OmegaConfBaseException
 from safetensors.torch import load_file, save_file
 
 from ..llm.tokenizer import Tokenizer
+from ..media_safety import MediaPolicy
 from ..perception.audio import AudioPerception, export_audio_onnx
 from ..perception.audio_io import AudioLimits, load_audio
 from .base import ModelType, MultimodalInputError, Perception, PromptLayout
@@ -62,15 +63,16 @@ class SalmModel(ModelType):
         return {"features_per_item": per_second}
 
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
-                        max_image_pixels: int | None = None,
-                        audio_limits: AudioLimits | None = None) -> SalmPerception:
+                        media: MediaPolicy | None = None) -> SalmPerception:
         config = json.loads((directory / "config.json").read_text())
         if "perception" not in config:
             raise ValueError(f"{directory}/config.json has no 'perception' section; export the checkpoint again "
                              "with model_type salm")
         perception = AudioPerception.from_config(config["perception"])
         perception.load_state_dict(load_file(str(directory / "model.safetensors")))
-        return SalmPerception(perception.float().eval().to(device), config["features_per_second"], audio_limits)
+        limits = None if media is None else AudioLimits(max_bytes=media.max_bytes,
+                                                        max_duration_s=media.max_audio_duration_s)
+        return SalmPerception(perception.float().eval().to(device), config["features_per_second"], limits)
 
     def chat_template(self, model_config: Any) -> ChatTemplate:
         return salm_template(model_config)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..media_safety import MediaPolicy
 from ..perception.image_preprocess import ImagePreprocessor
 from ..perception.video import SPLICE_SINGLE_FRAME, VideoLimits, read_frames, video_neva_indices
 from ..perception.vision_encoder import VisionEncoder
@@ -47,6 +48,13 @@ def read_config_section(directory: Path, section: str) -> dict[str, Any]:
                          f"with the right model_type")
     return config[section]
 
+
+def video_limits(media: MediaPolicy | None) -> VideoLimits | None:
+    """The caps ``media`` puts on decoding one video (None: ``VideoLimits``' defaults)."""
+    if media is None:
+        return None
+    return VideoLimits(max_frames=media.max_video_frames, max_duration_s=media.max_video_duration_s,
+                       max_frame_pixels=media.max_frame_pixels)
 
 class VideoPerception(ImagePerception):
     """Runtime of the video types: one video (or image, a one-frame video) per request → sampled frames →
@@ -150,8 +158,7 @@ class VideoNevaModel(ImageModel):
         return {"features_per_item": frames * encoder.tokens_per_image}
 
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
-                        max_image_pixels: int | None = None,
-                        video_limits: VideoLimits | None = None) -> VideoNevaPerception:
-        image = super().load_perception(directory, device=device, dtype=dtype, max_image_pixels=max_image_pixels)
-        return VideoNevaPerception(image.encoder, image.preprocessor, image.use_im_start_end, video_limits,
+                        media: MediaPolicy | None = None) -> VideoNevaPerception:
+        image = super().load_perception(directory, device=device, dtype=dtype, media=media)
+        return VideoNevaPerception(image.encoder, image.preprocessor, image.use_im_start_end, video_limits(media),
                                    **read_config_section(directory, "video"))

@@ -37,10 +37,15 @@ class AudioLimits:
             raise ValueError(f"audio limits must be positive, got max_bytes={self.max_bytes}, "
                              f"max_duration_s={self.max_duration_s}")
 
+    def check_size(self, size: int, what: str) -> None:
+        if size > self.max_bytes:
+            raise AudioLoadError(f"{what} has {size} bytes, over the limit of {self.max_bytes}; send a smaller file "
+                                 "or raise the limit (--media_max_bytes)")
+
     def check_duration(self, seconds: float, what: str) -> None:
         if seconds > self.max_duration_s:
             raise AudioLoadError(f"{what} lasts {seconds:.1f} s, over the limit of {self.max_duration_s:g} s; "
-                                 "send a shorter clip")
+                                 "send a shorter clip or raise the limit (--media_max_audio_duration_s)")
 
 
 def load_audio(source: AudioSource, sample_rate: int, limits: AudioLimits | None = None) -> np.ndarray:
@@ -83,9 +88,7 @@ def _file_bytes(source: Any, limits: AudioLimits, what: str) -> bytes:
     elif isinstance(source, (str, os.PathLike)):
         try:
             size = os.path.getsize(source)
-            if size > limits.max_bytes:
-                raise AudioLoadError(f"{what} has {size} bytes, over the limit of {limits.max_bytes}; send a "
-                                     "smaller file")
+            limits.check_size(size, what)
             with open(source, "rb") as file:
                 data = file.read()
         except OSError as error:
@@ -93,8 +96,7 @@ def _file_bytes(source: Any, limits: AudioLimits, what: str) -> bytes:
     else:
         raise AudioLoadError(f"audio must be a path, the bytes of an audio file or a float waveform array, got "
                              f"{type(source).__name__}")
-    if len(data) > limits.max_bytes:
-        raise AudioLoadError(f"{what} has {len(data)} bytes, over the limit of {limits.max_bytes}; send a smaller file")
+    limits.check_size(len(data), what)
     if not data:
         raise AudioLoadError(f"{what} is empty; send an audio file ({', '.join(AUDIO_FORMATS)})")
     return data

@@ -145,8 +145,8 @@ def _check_pixels(width: int, height: int, name: str, limits: VideoLimits) -> No
 def _check_frame_count(count: int, name: str, limits: VideoLimits) -> None:
     if count > limits.max_frames:
         raise VideoLoadError(
-            f"video {name} has {count} frames, over the limit of {limits.max_frames} (option max_frames); "
-            "send a shorter clip or fewer frames, or raise max_frames"
+            f"video {name} has {count} frames, over the limit of {limits.max_frames} "
+            "(VideoLimits.max_frames, --media_max_video_frames); send a shorter clip or raise the limit"
         )
 
 
@@ -210,7 +210,7 @@ def _check_duration(seconds: float, name: str, limits: VideoLimits) -> None:
     if seconds > limits.max_duration_s:
         raise VideoLoadError(
             f"video {name} lasts {seconds:.1f} s, over the limit of {limits.max_duration_s:g} s "
-            "(option max_duration_s); send a shorter clip or raise max_duration_s"
+            "(VideoLimits.max_duration_s, --media_max_video_duration_s); send a shorter clip or raise the limit"
         )
 
 
