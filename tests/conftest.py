@@ -90,6 +90,19 @@ def load_demo_builder():
     return module
 
 
+def stop_server(process, timeout_s: float = 120) -> int:
+    """Stop a server subprocess as Ctrl-C would (SIGINT), killing it if it does not exit in time; its exit code."""
+    import signal
+
+    process.send_signal(signal.SIGINT)
+    try:
+        process.wait(timeout=timeout_s)
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return process.returncode
+
+
 def wait_until_ready(url: str, model: str, process, timeout_s: float = 240) -> None:
     """Poll Triton's model-ready endpoint until it answers 200; fail early if the server process exits."""
     import time

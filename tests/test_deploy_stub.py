@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,7 +19,7 @@ from PIL import Image
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from conftest import wait_until_ready
+from conftest import stop_server, wait_until_ready
 from deploy import DeployError, DeployPyTriton, PortInUseError, RequestBatcher
 from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
@@ -339,12 +338,7 @@ def test_scripts_serve_and_query_from_plain_python(tmp_path):
         assert failed.returncode == 1
         assert "error: the server failed the request: ValueError: temperature must be > 0" in failed.stderr
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        finally:
-            if server.poll() is None:
-                server.kill()
+        stop_server(server, 60)
     assert server.returncode == 0
 
 

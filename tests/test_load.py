@@ -12,7 +12,6 @@ import base64
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -29,7 +28,7 @@ import pytest
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from conftest import load_demo_builder, wait_until_ready
+from conftest import load_demo_builder, stop_server, wait_until_ready
 from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
 from test_serve_demo import COLOR_Q, DEMO_NEMO, MODEL, REPO, SHAPE_Q
@@ -68,12 +67,7 @@ def server(tmp_path_factory):
         yield Server(process, f"127.0.0.1:{http_port}", f"grpc://127.0.0.1:{grpc_port}",
                      f"http://127.0.0.1:{openai_port}/v1")
     finally:
-        process.send_signal(signal.SIGINT)
-        try:
-            process.wait(timeout=120)
-        finally:
-            if process.poll() is None:
-                process.kill()
+        stop_server(process, 120)
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,6 @@ import http.server
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -29,7 +28,7 @@ import pytest
 import sentencepiece
 from PIL import Image
 
-from conftest import load_demo_builder, wait_until_ready
+from conftest import load_demo_builder, stop_server, wait_until_ready
 from deploy.openai_api import create_app
 from deploy.openai_server import OpenAIServer
 from deploy.startup import free_port
@@ -528,10 +527,5 @@ def test_deploy_script_serves_openai_and_curl_gets_plain_and_streamed_answers(de
             remote = {"model": MODEL, "messages": image_message(SHAPE_Q, host + "/green_square.png")}
             assert_error_object(*post(f"{url}/chat/completions", remote), 400, "media_allow_private_networks")
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=120)
-        finally:
-            if server.poll() is None:
-                server.kill()
+        stop_server(server, 120)
     assert server.returncode == 0, server.stderr.read()

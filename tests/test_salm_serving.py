@@ -5,7 +5,6 @@ answers the exporter gives in-process; bad audio fails its own request only."""
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from conftest import wait_until_ready
+from conftest import stop_server, wait_until_ready
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from query import NemoQueryMultimodal
@@ -47,12 +46,7 @@ def served(tmp_path_factory):
         wait_until_ready(f"127.0.0.1:{http_port}", MODEL, server)
         yield f"127.0.0.1:{http_port}", clips, local, env
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=120)
-        finally:
-            if server.poll() is None:
-                server.kill()
+        stop_server(server, 120)
 
 
 def test_query_script_sends_a_wav_file(served):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -15,7 +14,7 @@ import pytest
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from conftest import load_demo_builder, wait_until_ready
+from conftest import load_demo_builder, stop_server, wait_until_ready
 from deploy import DeployPyTriton
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
@@ -143,10 +142,5 @@ def test_deploy_script_exports_serves_and_query_script_answers(tmp_path):
             assert done.returncode == 0, done.stderr
             assert done.stdout.strip() == expected
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=120)
-        finally:
-            if server.poll() is None:
-                server.kill()
+        stop_server(server, 120)
     assert server.returncode == 0

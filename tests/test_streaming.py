@@ -7,7 +7,6 @@ from __future__ import annotations
 import base64
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import pytest
 from pytriton.client import DecoupledModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from conftest import load_demo_builder, wait_until_ready
+from conftest import load_demo_builder, stop_server, wait_until_ready
 from deploy import DeployPyTriton
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
@@ -222,10 +221,5 @@ def test_scripts_deploy_and_query_with_streaming(tmp_path):
         done = subprocess.run(plain, env=env, capture_output=True, text=True, timeout=120, check=False)
         assert (done.returncode, done.stdout) == (0, "red\n"), done.stderr
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=120)
-        finally:
-            if server.poll() is None:
-                server.kill()
+        stop_server(server, 120)
     assert server.returncode == 0
