@@ -119,7 +119,7 @@ def test_engine_reloads_in_a_fresh_process_without_the_checkpoint(exported, tmp_
 
 def test_limits_are_checked_with_messages_that_say_what_to_change(exported, tmp_path):
     vlm, exporter, _ = exported
-    with pytest.raises(LimitError, match=r"max_multimodal_len=16 is below max_batch_size × features per image"):
+    with pytest.raises(LimitError, match=r"max_multimodal_len=16 is below max_batch_size × features per media item"):
         _export(vlm, tmp_path / "small", max_multimodal_len=16)
     image = random_image(7)
     with pytest.raises(LimitError, match=r"over max_input_len=256"):

@@ -25,11 +25,12 @@ class EngineLimits:
                 raise LimitError(f"{name} must be at least 1, got {value}")
 
     def check_export(self, features_per_item: int) -> None:
-        """At export: the multimodal table must hold one media item for every request of a full batch."""
+        """At export: the multimodal table must hold one media item (an image, a video, a second of audio) for every
+        request of a full batch."""
         needed = self.max_batch_size * features_per_item
         if self.max_multimodal_len < needed:
             raise LimitError(
-                f"max_multimodal_len={self.max_multimodal_len} is below max_batch_size × features per image "
+                f"max_multimodal_len={self.max_multimodal_len} is below max_batch_size × features per media item "
                 f"= {self.max_batch_size} × {features_per_item} = {needed}; raise max_multimodal_len to at least "
                 f"{needed} or lower max_batch_size"
             )
@@ -51,7 +52,8 @@ class EngineLimits:
         if media_features > self.max_multimodal_len:
             raise LimitError(
                 f"the request's media give {media_features} features, over max_multimodal_len="
-                f"{self.max_multimodal_len}; send fewer images or frames or export with a larger max_multimodal_len"
+                f"{self.max_multimodal_len}; send less media (fewer images or frames, a shorter clip) or export with a "
+                f"larger max_multimodal_len"
             )
         if max_output_len > self.max_output_len:
             raise LimitError(
