@@ -77,20 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.streaming:
             return _print_stream(client, args)
         with client:
-            answers = client.query(
-                input_text=args.input_text,
-                input_media=args.input_media,
-                batch_size=args.batch_size,
-                max_output_len=args.max_output_len,
-                top_k=args.top_k,
-                top_p=args.top_p,
-                temperature=args.temperature,
-                repetition_penalty=args.repetition_penalty,
-                num_beams=args.num_beams,
-                init_timeout=args.init_timeout,
-                lora_uids=args.lora_task_uids,
-                inference_timeout=args.inference_timeout,
-            )
+            answers = client.query(**_query_arguments(args), batch_size=args.batch_size, num_beams=args.num_beams)
     except (QueryError, MediaError, ValueError) as error:
         print(f"query.py: error: {error}", file=sys.stderr)
         return 1
@@ -100,22 +87,27 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def _query_arguments(args: argparse.Namespace) -> dict:
+    """The arguments `query` and `query_stream` share, from the command line."""
+    return {
+        "input_text": args.input_text,
+        "input_media": args.input_media,
+        "max_output_len": args.max_output_len,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "temperature": args.temperature,
+        "repetition_penalty": args.repetition_penalty,
+        "init_timeout": args.init_timeout,
+        "lora_uids": args.lora_task_uids,
+        "inference_timeout": args.inference_timeout,
+    }
+
+
 def _print_stream(client: NemoQueryMultimodal, args: argparse.Namespace) -> int:
     """Print the pieces of one streamed answer as they arrive, then a newline."""
     if args.num_beams != 1:
         raise QueryError("--streaming returns one answer; leave --num_beams at 1")
-    pieces = client.query_stream(
-        input_text=args.input_text,
-        input_media=args.input_media,
-        max_output_len=args.max_output_len,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        temperature=args.temperature,
-        repetition_penalty=args.repetition_penalty,
-        init_timeout=args.init_timeout,
-        lora_uids=args.lora_task_uids,
-        inference_timeout=args.inference_timeout,
-    )
+    pieces = client.query_stream(**_query_arguments(args))
     for piece in pieces:
         print(piece, end="", flush=True)
     print()

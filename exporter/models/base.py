@@ -41,6 +41,12 @@ class PromptLayout:
         return ids
 
 
+def media_list(media: Any) -> list[Any]:
+    """A request's media as a list of items: a list or tuple holds several, one item stands alone, None is none."""
+    items = list(media) if isinstance(media, (list, tuple)) else [media]
+    return [item for item in items if item is not None]
+
+
 class ModelType(ABC):
     """The model-specific half of export and inference; the engine and runtime do the rest."""
 

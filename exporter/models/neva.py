@@ -18,7 +18,7 @@ from ..llm.tokenizer import Tokenizer
 from ..media_safety import MediaPolicy
 from ..perception.vision_encoder import VisionEncoder, build_vision_encoder
 from ..runtime.cuda_graphs import GraphedCall
-from .base import ModelType, MultimodalInputError, Perception, PromptLayout
+from .base import ModelType, MultimodalInputError, Perception, PromptLayout, media_list
 from .templates import IMAGE_PLACEHOLDER, ChatTemplate
 
 IM_START_TOKEN = "<extra_id_4>"
@@ -78,8 +78,7 @@ class ImagePerception(Perception):
     def media_items(self, media: Any) -> list[Any]:
         if isinstance(media, np.ndarray) and media.ndim == 4:  # NeMo's wire shape: [images, H, W, 3]
             media = list(media)
-        items = media if isinstance(media, (list, tuple)) else [media]
-        return [item for item in items if item is not None]
+        return media_list(media)
 
     def load_media(self, media: Any) -> list[torch.Tensor]:
         return [self.preprocessor.preprocess_one(item) for item in self.media_items(media)]

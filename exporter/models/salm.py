@@ -24,7 +24,7 @@ from ..llm.tokenizer import Tokenizer
 from ..media_safety import MediaPolicy
 from ..perception.audio import AudioPerception, export_audio_onnx
 from ..perception.audio_io import AudioLimits, load_audio
-from .base import ModelType, MultimodalInputError, Perception, PromptLayout
+from .base import ModelType, MultimodalInputError, Perception, PromptLayout, media_list
 from .templates import ChatTemplate
 
 DEFAULT_PROMPT_TEMPLATE = "Q: {context}\nA: {answer}"
@@ -97,8 +97,7 @@ class SalmPerception(Perception):
         return self._features_per_second
 
     def media_items(self, media: Any) -> list[Any]:
-        items = list(media) if isinstance(media, (list, tuple)) else [media]
-        items = [item for item in items if item is not None]
+        items = media_list(media)
         if len(items) > 1:
             raise MultimodalInputError(f"SALM takes one audio clip per request, got {len(items)}; send them apart")
         return items

@@ -25,7 +25,7 @@ from ..media_safety import MediaPolicy
 from ..perception.image_preprocess import ImagePreprocessor
 from ..perception.video import SPLICE_SINGLE_FRAME, VideoLimits, read_frames, video_neva_indices
 from ..perception.vision_encoder import VisionEncoder
-from .base import MultimodalInputError
+from .base import MultimodalInputError, media_list
 from .neva import ImageModel, ImagePerception
 from .templates import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
@@ -78,8 +78,7 @@ class VideoPerception(ImagePerception):
         """The video's feature block ``[n, H]`` from its per-frame features ``[k, N, H]``."""
 
     def media_items(self, media: Any) -> list[Any]:
-        items = list(media) if isinstance(media, (list, tuple)) else [media]
-        items = [item for item in items if item is not None]
+        items = media_list(media)
         if len(items) > 1:
             raise MultimodalInputError(f"send one video per request, got {len(items)} media items")
         return items
