@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -44,6 +45,9 @@ class Handle:
     tokens: list[int] = field(default_factory=list)
     error: BaseException | None = None
     cancelled: bool = False
+    submitted_at: float = field(default_factory=time.monotonic)  # time.monotonic() of each milestone
+    first_token_at: float | None = None
+    finished_at: float | None = None
     _finished: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -69,7 +73,18 @@ class Handle:
 
     def _finish(self, error: BaseException | None = None) -> None:
         self.error = self.error or error
+        self.finished_at = time.monotonic()
         self._finished.set()
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    """Requests waiting for admission, rows decoding, the row cap, and the share of the KV cache in use."""
+
+    waiting: int
+    running_rows: int
+    max_rows: int
+    kv_used_fraction: float
 
 
 @dataclass
@@ -173,6 +188,13 @@ class Scheduler:
         for handle in handles:
             handle._finish(error)
 
+    def stats(self) -> SchedulerStats:
+        """A snapshot of the queue and the KV cache, for metrics."""
+        with self._wake:
+            running = sum(slot is not None for slot in self.slots)
+            return SchedulerStats(waiting=len(self.waiting), running_rows=running, max_rows=len(self.slots),
+                                  kv_used_fraction=running / len(self.slots))
+
     # --- one iteration ----------------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -254,6 +276,8 @@ class Scheduler:
             self._advance(i, slot, token)
 
     def _advance(self, index: int, slot: _Slot, token: int) -> None:
+        if slot.handle.first_token_at is None:
+            slot.handle.first_token_at = time.monotonic()
         kept = len(slot.sampler.tokens)
         slot.sampler.accept(token)
         if len(slot.sampler.tokens) > kept and slot.handle.on_token is not None:
