@@ -195,6 +195,20 @@ def _activate(h: Tensor, activation: str, gated: bool) -> Tensor:
     return act(h)
 
 
+class Linear(nn.Module):
+    """`y = x W^T (+ b)` with Megatron's parameter names (`weight [out, in]`, optional `bias`), run by
+    `gemv.linear` (a one-row product on CUDA may use the Triton matrix-vector kernel). The one place a decoder
+    layer's matrix products go through."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 class Norm(nn.Module):
     """LayerNorm (weight + bias) or RMSNorm (weight); zero-centred γ stores γ-1 (NeMo `layernorm1p`)."""
 
@@ -264,14 +278,14 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
         qkv_rows = (self.heads + 2 * self.groups) * self.head_dim
-        self.linear_qkv = nn.Linear(config.hidden_size, qkv_rows, bias=config.bias)
-        self.linear_proj = nn.Linear(self.heads * self.head_dim, config.hidden_size, bias=config.bias)
+        self.linear_qkv = Linear(config.hidden_size, qkv_rows, bias=config.bias)
+        self.linear_proj = Linear(self.heads * self.head_dim, config.hidden_size, bias=config.bias)
 
     def forward(self, x: Tensor, attention: _Attention) -> Tensor:
         batch, length, _ = x.shape
         cache = attention.cache
         layer = None if cache is None else cache.data[self.layer_number]  # [2,all rows,S,groups,d]
-        qkv = linear(x, self.linear_qkv.weight, self.linear_qkv.bias)
+        qkv = self.linear_qkv(x)
         q, kv = _split_heads(qkv.view(batch * length, -1), attention.cos, attention.sin, layer,
                              attention.cache_rows, attention.cache_positions, self.groups, self.heads // self.groups,
                              self.rotary_dim)
@@ -283,7 +297,7 @@ class SelfAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=attention.mask, is_causal=attention.fresh,
                                              enable_gqa=self.groups != self.heads)
         out = out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)
-        return linear(out, self.linear_proj.weight, self.linear_proj.bias)
+        return self.linear_proj(out)
 
 
 class MLP(nn.Module):
@@ -292,13 +306,13 @@ class MLP(nn.Module):
         self.gated = config.gated
         self.activation = config.activation
         fc1_rows = 2 * config.ffn_hidden_size if self.gated else config.ffn_hidden_size
-        self.linear_fc1 = nn.Linear(config.hidden_size, fc1_rows, bias=config.bias)
-        self.linear_fc2 = nn.Linear(config.ffn_hidden_size, config.hidden_size, bias=config.bias)
+        self.linear_fc1 = Linear(config.hidden_size, fc1_rows, bias=config.bias)
+        self.linear_fc2 = Linear(config.ffn_hidden_size, config.hidden_size, bias=config.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        h = linear(x, self.linear_fc1.weight, self.linear_fc1.bias)
+        h = self.linear_fc1(x)
         h = _activate(h.view(-1, h.shape[-1]), self.activation, self.gated)
-        return linear(h.view(*x.shape[:-1], -1), self.linear_fc2.weight, self.linear_fc2.bias)
+        return self.linear_fc2(h.view(*x.shape[:-1], -1))
 
 
 class TransformerLayer(nn.Module):
@@ -345,7 +359,7 @@ class Decoder(nn.Module):
         self.decoder = TransformerBlock(config)
         self.rope = Rope(config) if config.position_embedding_type == "rope" else None
         if not config.share_embeddings_and_output_weights:
-            self.output_layer = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.output_layer = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     @classmethod
     def from_state_dict(
