@@ -85,6 +85,7 @@ class TensorRTMMExporter(ITritonDeployable):
         export_onnx: bool = False,
         nemo_rename_key: Sequence[str] = (),
         audio_frontend: str | None = None,
+        max_beam_width: int = 1,
     ) -> None:
         """Write the engine directory (NeMo's arguments; the keyword-only ones are this package's).
 
@@ -105,7 +106,7 @@ class TensorRTMMExporter(ITritonDeployable):
             raise NotImplementedError("LoRA checkpoints are not supported yet; merge the LoRA into the checkpoint")
         limits = EngineLimits(max_input_len=max_input_len, max_output_len=max_output_len,
                               max_batch_size=max_batch_size, max_multimodal_len=max_multimodal_len,
-                              vision_max_batch_size=vision_max_batch_size)
+                              vision_max_batch_size=vision_max_batch_size, max_beam_width=max_beam_width)
         prepare_model_dir(self.model_dir, delete_existing_files)
         export_engine(self.model_dir, visual_checkpoint_path, model_type=model_type,
                       llm_checkpoint_path=llm_checkpoint_path, llm_model_type=llm_model_type, limits=limits,

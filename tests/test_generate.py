@@ -4,14 +4,19 @@ The slow reference used here re-runs the whole sequence without a KV cache at ev
 """
 
 import math
+import random
+from dataclasses import replace
 
 import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
+from conftest import train_sentencepiece
 from exporter.llm import LLM, Decoder, DecoderConfig, SamplingParams
-from exporter.llm.generate import apply_repetition_penalty, generate, top_p_filter
-from exporter.llm.tokenizer import Tokenizer
+from exporter.llm.generate import StopStrings
+from exporter.llm.sampling import TOKEN, RowSetup, TokenChooser, penalize
+from exporter.llm.tokenizer import SentencePieceTokenizer, Tokenizer
+from exporter.runtime.scheduler import generate
 
 torch.set_num_threads(1)
 VOCAB = 300
@@ -131,17 +136,45 @@ def test_top_k_sampling_stays_in_the_top_k():
     assert firsts <= allowed and len(firsts) > 1
 
 
-def test_top_p_filter_keeps_the_smallest_set_reaching_top_p():
+def _first_tokens(logits: torch.Tensor, params: SamplingParams, seeds: range) -> list[int]:
+    """The token the device sampler picks from the same `logits [V]` for each seed (one row per seed)."""
+    chooser = TokenChooser(len(seeds), len(logits), "cpu")
+    chooser.set_rows(0, [RowSetup(greedy=params.greedy, temperature=params.temperature, top_k=params.top_k,
+                                  top_p=params.top_p, repetition_penalty=1.0, seed=seed, position=4)
+                         for seed in seeds])
+    chooser.choose(logits.expand(len(seeds), -1), 0, full=True)
+    return chooser.ints[TOKEN].tolist()
+
+
+def test_top_p_keeps_the_smallest_set_reaching_top_p():
     probs = torch.tensor([0.125, 0.5, 0.0625, 0.3125])  # exact in binary: the boundary case is exact
-    assert top_p_filter(probs, 0.8125).tolist() == [0.0, 0.5, 0.0, 0.3125]
-    assert top_p_filter(probs, 0.8126).tolist() == [0.125, 0.5, 0.0, 0.3125]
+    params = SamplingParams(top_k=0, temperature=1.0)
+    at = set(_first_tokens(probs.log(), replace(params, top_p=0.8125), range(300)))
+    above = set(_first_tokens(probs.log(), replace(params, top_p=0.8126), range(300)))
+    assert at == {1, 3} and above == {0, 1, 3}
+
+
+def test_samples_follow_the_distribution_and_do_not_depend_on_the_batch():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    params = SamplingParams(top_k=0, top_p=1.0, temperature=1.0)
+    draws = _first_tokens(probs.log(), params, range(6000))
+    frequencies = torch.bincount(torch.tensor(draws), minlength=4) / len(draws)
+    assert (frequencies - probs).abs().max() < 0.02
+    assert _first_tokens(probs.log(), params, range(4000, 4010)) == draws[4000:4010]
 
 
 def test_repetition_penalty_matches_transformers():
-    logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
-    seen = [4, 9, 9, 250, 17, 5]
-    reference = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([seen]), logits.clone())
-    assert torch.equal(apply_repetition_penalty(logits[0], seen, 1.7), reference[0])
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0)) * 3
+    seen = [[4, 9, 9, 250, 17, 5], [], [0, 299, 42]]
+    penalties = [1.7, 1.3, 0.6]
+    mask = torch.zeros(3, VOCAB, dtype=torch.bool)
+    for row, ids in enumerate(seen):
+        mask[row, ids] = True
+    ours = penalize(logits, mask, torch.tensor(penalties))
+    for row, (ids, penalty) in enumerate(zip(seen, penalties)):
+        reference = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([ids], dtype=torch.long),
+                                                              logits[row : row + 1].clone())
+        assert torch.equal(ours[row], reference[0])
 
 
 def bigram_decoder() -> Decoder:
@@ -314,3 +347,115 @@ def test_other_gated_activations_apply_to_the_first_half(activation):
     act = torch.nn.functional.gelu if activation == "geglu" else torch.relu
     expected = (act(x @ gate.T) * (x @ up.T)) @ mlp.linear_fc2.weight.T
     assert torch.allclose(mlp(x), expected, atol=1e-5)
+
+
+@torch.no_grad()
+def reference_beam_search(
+    model: Decoder, prompt: list[int], params: SamplingParams, eos_id=None, tokenizer=None
+) -> list[list[int]]:
+    """Beam search as documented, recomputing every beam's whole sequence at each step (no cache), with
+    transformers' repetition penalty and stop strings found in the whole decoded answer."""
+    width = params.num_beams
+    end_ids = {params.end_id if params.end_id is not None else eos_id, *params.stop_token_ids} - {None}
+    beams, scores, finished = [[]], [0.0], []
+
+    def finish(score: float, tokens: list[int], length: int) -> None:
+        finished.append((score / length, tokens))
+        finished.sort(key=lambda hypothesis: hypothesis[0], reverse=True)
+        del finished[width:]
+
+    for _ in range(params.max_output_len):
+        candidates = []
+        for beam, score in zip(beams, scores):
+            ids = torch.tensor([prompt + beam])
+            logits = model(model.embed(ids))[:, -1].float()
+            logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, logits)[0]
+            candidates += [(score + lp, beam, token) for token, lp in enumerate(logits.log_softmax(-1).tolist())]
+        candidates.sort(key=lambda candidate: candidate[0], reverse=True)
+        live = []
+        for rank, (value, beam, token) in enumerate(candidates[: 2 * width]):
+            if len(live) == width:
+                break
+            tokens = beam + [token]
+            stopped = token not in end_ids and any(s in tokenizer.decode(tokens, skip_special=False)
+                                                   for s in params.stop)
+            if token in end_ids or stopped:
+                if rank < width:
+                    finish(value, tokens if stopped else beam, len(tokens))
+                continue
+            live.append((value, tokens))
+        if not live:
+            break
+        scores, beams = [value for value, _ in live], [tokens for _, tokens in live]
+        if len(beams[0]) == params.max_output_len:
+            for score, tokens in live:
+                finish(score, tokens, len(tokens))
+            break
+        if len(finished) == width and finished[-1][0] >= max(scores) / len(beams[0]):
+            break
+    return [tokens for _, tokens in finished]
+
+
+def test_beam_search_equals_the_uncached_reference_with_penalties_ends_and_stop_strings():
+    model = random_decoder(seed=4)
+    tokenizer = LetterTokenizer()
+    prompts = [[5, 17, 99, 250, 7], [8, 9, 10, 11], [42, 43]]
+    free = run(model, prompts, SamplingParams(max_output_len=8, num_beams=3))
+    params = [
+        SamplingParams(max_output_len=8, num_beams=3, repetition_penalty=1.5),
+        SamplingParams(max_output_len=8, num_beams=2, end_id=free[1][1][3]),
+        SamplingParams(max_output_len=8, num_beams=3, stop=(tokenizer.decode(free[2][1][2:4]),)),
+        SamplingParams(max_output_len=6, top_k=5, seed=1),
+    ]
+    prompts.append(PROMPTS[0])
+    ours = run(model, prompts, params, tokenizer=tokenizer)
+    for prompt, request, beams in zip(prompts[:3], params, ours):
+        assert beams == reference_beam_search(model, prompt, request, tokenizer=tokenizer)
+    assert ours[2] != free[2]  # the stop string changed the beams
+    assert ours == [run(model, [p], [request], tokenizer=tokenizer)[0] for p, request in zip(prompts, params)]
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_tokenizer(tmp_path_factory) -> SentencePieceTokenizer:
+    path = train_sentencepiece(tmp_path_factory.mktemp("sp") / "tokenizer.model")
+    return SentencePieceTokenizer(path.read_bytes())
+
+
+def test_stop_strings_found_in_the_new_text_as_in_the_whole_answer(sentencepiece_tokenizer):
+    """A stop string is found in a short tail of tokens exactly when the whole decoded answer first holds it
+    (a real SentencePiece model: pieces of several characters, spaces that a piece at the start loses)."""
+    tokenizer = sentencepiece_tokenizer
+    rng = random.Random(0)
+    checked = 0
+    for _ in range(300):
+        ids = [rng.randrange(3, tokenizer.vocab_size) for _ in range(rng.randint(5, 30))]
+        text = tokenizer.decode(ids, skip_special=False)
+        start = rng.randrange(len(text))
+        stop = text[start : start + rng.randint(1, 6)]
+        if not stop.strip():
+            continue
+        expected = next(n for n in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:n], skip_special=False))
+        stops, tail = StopStrings([stop, "never seen"], tokenizer), ()
+        for n, token in enumerate(ids, 1):
+            tail, hit = stops.extend(tail, token)
+            if hit:
+                break
+        assert n == expected, (ids, stop)
+        assert len(tail) < 12
+        checked += 1
+    assert checked > 200
+
+
+def test_stop_strings_that_end_continued_beams_give_the_reference_beams():
+    """Stop strings drawn from the beams themselves end beams the device had continued (the host rebuilds the
+    search's rows); the answers equal the uncached reference's."""
+    model = random_decoder(seed=4)
+    tokenizer = LetterTokenizer()
+    for seed in range(4):
+        prompt = torch.randint(2, VOCAB, (5,), generator=torch.Generator().manual_seed(seed)).tolist()
+        free = run(model, [prompt], SamplingParams(max_output_len=8, num_beams=3))[0]
+        for beam, start in ((1, 1), (1, 3), (2, 1), (2, 3)):
+            stop = tokenizer.decode(free[beam][start : start + 2])
+            params = SamplingParams(max_output_len=8, num_beams=3, stop=(stop,))
+            ours = run(model, [prompt], params, tokenizer=tokenizer)[0]
+            assert ours == reference_beam_search(model, prompt, params, tokenizer=tokenizer), (seed, beam, start)

@@ -12,10 +12,10 @@ import torch
 
 from conftest import make_tiny_gpt_weights
 from exporter.llm.config import DecoderConfig
-from exporter.llm.generate import SamplingParams, generate
+from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
 from exporter.runtime.cuda_graphs import DecodeStep, GraphedCall
-from exporter.runtime.scheduler import Scheduler
+from exporter.runtime.scheduler import Scheduler, generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 VOCAB = 128

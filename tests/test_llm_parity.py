@@ -21,8 +21,8 @@ from transformers import (
 from conftest import train_sentencepiece
 from exporter.checkpoint import NemoCheckpoint
 from exporter.llm import Decoder, DecoderConfig, SamplingParams, load_llm
-from exporter.llm.generate import generate
 from exporter.nemo_writer import fuse_qkv, hf_llama_to_nemo, write_nemo
+from exporter.runtime.scheduler import generate
 
 torch.set_num_threads(1)
 HIDDEN, LAYERS, VOCAB, FFN = 64, 2, 300, 96

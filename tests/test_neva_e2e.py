@@ -30,7 +30,8 @@ from vlm_fixtures import IMAGE, PROMPTS, TinyVlm, build_vlm, random_image, token
 
 STEPS = 8
 QUESTION = "describe the image"
-LIMITS = {"max_batch_size": 4, "max_input_len": 256, "max_output_len": 16, "max_multimodal_len": 4 * 16}
+LIMITS = {"max_batch_size": 4, "max_input_len": 256, "max_output_len": 16, "max_multimodal_len": 4 * 16,
+          "max_beam_width": 2}
 IM_START, IM_END = "<extra_id_4>", "<extra_id_5>"
 HUB_REPO = "example-org/tiny-clip-336"
 STORED_TOWER_CASES = {

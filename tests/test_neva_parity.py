@@ -18,7 +18,8 @@ from vlm_fixtures import build_vlm, random_image, reference_tokens, tokenizer_fi
 
 STEPS = 8
 QUESTION = "describe the image"
-LIMITS = {"max_batch_size": 4, "max_input_len": 256, "max_output_len": 16, "max_multimodal_len": 4 * 16}
+LIMITS = {"max_batch_size": 4, "max_input_len": 256, "max_output_len": 16, "max_multimodal_len": 4 * 16,
+          "max_beam_width": 2}
 CASES = {
     "legacy-clip-mlp2x-inside-v1": {},
     "legacy-nonmcore-clip-linear-folder-nvgpt": dict(mcore=False, projector_type="linear", tower_at="from_pretrained",

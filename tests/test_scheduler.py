@@ -4,16 +4,18 @@ conditions, streaming order, cancellation and failures, each checked against gen
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 
 from conftest import make_tiny_gpt_weights
 from exporter.llm.config import DecoderConfig
-from exporter.llm.generate import SamplingParams, generate
+from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
+from exporter.llm.sampling import POSITION
 from exporter.llm.tokenizer import Tokenizer
-from exporter.runtime.scheduler import RequestCancelled, Scheduler
+from exporter.runtime.scheduler import RequestCancelled, Scheduler, generate
 
 CONFIG = {
     "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 48, "num_attention_heads": 4, "num_query_groups": 2,
@@ -182,13 +184,17 @@ def test_background_loop_serves_concurrent_submitters(model):
         assert results[k] == _alone(model, prompt, ids, SamplingParams(max_output_len=6))
 
 
-def test_limits_and_beams_are_refused(model):
-    scheduler = Scheduler(model, max_slots=1, max_seq_len=16, eos_id=None)
+def test_limits_are_refused(model):
+    scheduler = Scheduler(model, max_slots=2, max_seq_len=16, eos_id=None, max_beam_width=2)
     prompt, ids = _prompt(model, 50, 10)
     with pytest.raises(ValueError, match="max_seq_len=16"):
         scheduler.submit(prompt, ids, SamplingParams(max_output_len=10))
-    with pytest.raises(ValueError, match="beam"):
-        scheduler.submit(prompt, ids, SamplingParams(max_output_len=2, num_beams=2))
+    with pytest.raises(ValueError, match="num_beams=3 is over max_beam_width=2"):
+        scheduler.submit(prompt, ids, SamplingParams(max_output_len=2, num_beams=3))
+    with pytest.raises(ValueError, match="on_token streams one sequence"):
+        scheduler.submit(prompt, ids, SamplingParams(max_output_len=2, num_beams=2), on_token=print)
+    with pytest.raises(ValueError, match=r"max_beam_width \(3\) must be between 1 and max_slots \(2\)"):
+        Scheduler(model, max_slots=2, max_seq_len=16, eos_id=None, max_beam_width=3)
 
 
 def test_admission_fills_the_lowest_run_of_free_slots(model):
@@ -216,12 +222,12 @@ def test_a_captured_span_longer_than_the_furthest_position_changes_nothing(model
         scheduler.submit(*_prompt(model, seed, length), SamplingParams(max_output_len=50))
     for _ in range(3):
         scheduler.step()
-    inputs = scheduler.decode.inputs.clone()
-    furthest = int(inputs[:, 1].max()) + 1
+    state = scheduler.chooser.snapshot()
+    furthest = int(scheduler.chooser.ints[POSITION, :2].max()) + 1
     with torch.inference_mode():
-        exact, _ = scheduler.decode._compute(2, furthest)
-        scheduler.decode.inputs.copy_(inputs)
-        spanned, _ = scheduler.decode._compute(2, scheduler.cache.max_seq_len)
+        exact = scheduler.decode._compute(2, furthest, False)
+        scheduler.chooser.restore(state)
+        spanned = scheduler.decode._compute(2, scheduler.cache.max_seq_len, False)
     torch.testing.assert_close(spanned, exact, rtol=1e-5, atol=1e-5)
 
 
@@ -238,7 +244,6 @@ def test_steps_queued_ahead_leave_the_tokens_unchanged(model):
         if len(streamed) == 2:
             victim.cancel()
 
-    ahead = 0
     for step in range(60):
         if step == 6:
             handles.append(scheduler.submit(*requests[3]))
@@ -246,8 +251,7 @@ def test_steps_queued_ahead_leave_the_tokens_unchanged(model):
                                       on_token=cancel_after_two)
         if not scheduler.step():
             break
-        ahead += scheduler._ahead is not None
-    assert ahead > 5
+    assert scheduler.steps_queued_ahead == scheduler.decode_steps - 1  # all but the very first
     for handle, (prompt, ids, params) in zip(handles, requests):
         assert handle.result(timeout=0) == _alone(model, prompt, ids, params)
     with pytest.raises(RequestCancelled, match="after 2 tokens"):
@@ -259,7 +263,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(model):
     decode = scheduler.decode
 
     class Broken:
-        def launch(self, *args):
+        def launch(self, *args, **kwargs):
             raise RuntimeError("device lost")
 
     scheduler.decode = Broken()
@@ -296,3 +300,95 @@ def test_bad_prompts_are_refused_with_the_reason(model):
         scheduler.submit(prompt, ids[:5], SamplingParams())
     with pytest.raises(ValueError, match="no tokenizer"):
         scheduler.submit(prompt, ids, SamplingParams(stop=("x",)))
+
+
+MIXED = [
+    (120, 5, SamplingParams(max_output_len=12)),
+    (121, 8, SamplingParams(max_output_len=9, num_beams=3)),
+    (122, 3, SamplingParams(max_output_len=10, top_k=0, top_p=0.9, temperature=0.8, seed=11)),
+    (123, 6, SamplingParams(max_output_len=7, num_beams=2, repetition_penalty=1.4)),
+    (124, 11, SamplingParams(max_output_len=8, repetition_penalty=1.3)),
+    (125, 4, SamplingParams(max_output_len=11, top_k=6, temperature=1.5, seed=3, repetition_penalty=1.2)),
+    (126, 7, SamplingParams(max_output_len=6, num_beams=3, end_id=9)),
+]
+
+
+def _results_alone(model, prompt, ids, params, **kwargs) -> list[list[int]]:
+    return generate(model, [prompt], [ids], [params], eos_id=None, **kwargs)[0]
+
+
+def test_beam_and_sampled_requests_mixed_into_a_greedy_batch_get_their_answers_alone(model):
+    """Beam searches, seeded samples and penalised rows join and leave a running greedy batch (some arriving
+    late, some waiting for rows): each gets what it gets alone, and every decode step but the first is queued
+    before the host reads the one before it."""
+    scheduler = Scheduler(model, max_slots=6, max_seq_len=64, eos_id=None, max_beam_width=3)
+    requests = [(*_prompt(model, seed, length), params) for seed, length, params in MIXED]
+    handles = [scheduler.submit(*request) for request in requests[:4]]
+    rows_in_use = []
+    for step in range(200):
+        if step == 3:
+            handles += [scheduler.submit(*request) for request in requests[4:]]
+        if not scheduler.step():
+            break
+        rows_in_use.append(scheduler.stats().running_rows)
+    assert max(rows_in_use) >= 5 and scheduler.stats().running_rows == 0
+    for handle, (prompt, ids, params) in zip(handles, requests):
+        assert handle.results(timeout=0) == _results_alone(model, prompt, ids, params)
+        assert len(handle.results(timeout=0)) == params.num_beams
+    assert scheduler.steps_queued_ahead == scheduler.decode_steps - 1
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_any_batch(model):
+    params = SamplingParams(max_output_len=12, top_k=0, top_p=0.95, temperature=1.3, seed=2024)
+    prompt, ids = _prompt(model, 130, 6)
+    alone = _results_alone(model, prompt, ids, params)
+    scheduler = Scheduler(model, max_slots=4, max_seq_len=64, eos_id=None, max_beam_width=2)
+    others = [scheduler.submit(*_prompt(model, 131 + k, 4 + k), SamplingParams(max_output_len=5 + 3 * k,
+                                                                              top_k=4, seed=k))
+              for k in range(3)]
+    _run(scheduler)  # a batch that ran before: the request lands on other rows with other neighbours
+    scheduler.submit(*_prompt(model, 135, 5), SamplingParams(max_output_len=4, num_beams=2))
+    late = scheduler.submit(prompt, ids, params)
+    unseeded = [scheduler.submit(prompt, ids, replace(params, seed=None)) for _ in range(2)]
+    _run(scheduler)
+    assert [late.result(timeout=0)] == alone and all(handle.done for handle in others)
+    assert len({tuple(handle.result(timeout=0)) for handle in [late, *unseeded]}) == 3  # no seed: a random one
+    assert _results_alone(model, prompt, ids, replace(params, seed=2025)) != alone
+
+
+def test_a_stop_string_ending_a_continued_beam_rebuilds_the_search(model, monkeypatch):
+    """The device continues the best beams that are no end token; when a stop string ends one of them the host
+    rebuilds the search's rows and skips the step queued meanwhile, and the beams equal generate() alone."""
+    tokenizer = LetterTokenizer()
+    prompt, ids = _prompt(model, 140, 7)
+    beams = _results_alone(model, prompt, ids, SamplingParams(max_output_len=8, num_beams=3))
+    params = SamplingParams(max_output_len=8, num_beams=3, stop=(tokenizer.decode(beams[1][2:4]),))
+    expected = _results_alone(model, prompt, ids, params, tokenizer=tokenizer)
+    assert expected != beams
+    rebuilt = []
+    scheduler = Scheduler(model, max_slots=5, max_seq_len=64, eos_id=None, tokenizer=tokenizer, max_beam_width=3)
+    rebuild = scheduler._rebuild
+    monkeypatch.setattr(scheduler, "_rebuild", lambda request: (rebuilt.append(request), rebuild(request)))
+    greedy_prompt, greedy_ids = _prompt(model, 141, 5)
+    greedy = scheduler.submit(greedy_prompt, greedy_ids, SamplingParams(max_output_len=20))
+    handle = scheduler.submit(prompt, ids, params)
+    _run(scheduler)
+    assert rebuilt and handle.results(timeout=0) == expected
+    assert greedy.result(timeout=0) == _alone(model, greedy_prompt, greedy_ids, SamplingParams(max_output_len=20))
+
+
+def test_a_beam_search_waits_for_enough_consecutive_free_rows(model):
+    scheduler = Scheduler(model, max_slots=3, max_seq_len=64, eos_id=None, max_beam_width=3)
+    short = scheduler.submit(*_prompt(model, 150, 4), SamplingParams(max_output_len=2))
+    long = scheduler.submit(*_prompt(model, 151, 4), SamplingParams(max_output_len=12))
+    prompt, ids = _prompt(model, 152, 6)
+    wide = scheduler.submit(prompt, ids, SamplingParams(max_output_len=5, num_beams=2))
+    behind = scheduler.submit(*_prompt(model, 153, 3), SamplingParams(max_output_len=3))
+    scheduler.step()
+    assert scheduler.slots[2] is None and len(scheduler.waiting) == 2  # one row free: the beam search waits
+    while not long.done:
+        scheduler.step()
+        assert not behind.done or wide.done  # first come, first served: nobody overtakes the beam search
+    _run(scheduler)
+    assert short.done and wide.results(timeout=0) == _results_alone(model, prompt, ids, wide.params)
+    assert behind.done

@@ -31,7 +31,7 @@ BATCH_WINDOW_US = 300_000  # wide enough that concurrent requests share a batch 
 def server(tmp_path_factory):
     exporter = TensorRTMMExporter(tmp_path_factory.mktemp("engine"), device="cpu")
     exporter.export(DEMO_NEMO, model_type="neva", dtype="float32", max_batch_size=8, max_input_len=200,
-                    max_output_len=16, max_multimodal_len=8 * 64)
+                    max_output_len=16, max_multimodal_len=8 * 64, max_beam_width=2)
     http_port, grpc_port = free_port(), free_port()
     deployer = DeployPyTriton(exporter, MODEL, max_batch_size=8, http_port=http_port, grpc_port=grpc_port,
                               address="127.0.0.1", max_queue_delay_microseconds=BATCH_WINDOW_US)

@@ -11,18 +11,26 @@ class LimitError(ValueError):
 
 @dataclass(frozen=True)
 class EngineLimits:
-    """The sizes an engine was exported for (NeMo's export arguments of the same names)."""
+    """The sizes an engine was exported for (NeMo's export arguments of the same names; ``max_beam_width`` is
+    TensorRT-LLM's, default 1 as there)."""
 
     max_input_len: int = 4096
     max_output_len: int = 256
     max_batch_size: int = 1
     max_multimodal_len: int = 3072
     vision_max_batch_size: int = 1
+    max_beam_width: int = 1
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
             if int(value) < 1:
                 raise LimitError(f"{name} must be at least 1, got {value}")
+        if self.max_beam_width > self.max_batch_size:
+            raise LimitError(
+                f"max_beam_width={self.max_beam_width} is over max_batch_size={self.max_batch_size}: each beam takes "
+                f"one of the max_batch_size KV-cache rows; raise max_batch_size to at least {self.max_beam_width} or "
+                f"lower max_beam_width"
+            )
 
     def check_export(self, features_per_item: int) -> None:
         """At export: the multimodal table must hold one media item (an image, a video, a second of audio) for every
@@ -42,8 +50,13 @@ class EngineLimits:
                 f"or export with a larger max_batch_size"
             )
 
-    def check_request(self, prompt_len: int, media_features: int, max_output_len: int) -> None:
-        """Per request: prompt length (text + features), multimodal features and new tokens."""
+    def check_request(self, prompt_len: int, media_features: int, max_output_len: int, num_beams: int = 1) -> None:
+        """Per request: prompt length (text + features), multimodal features, new tokens and beams."""
+        if num_beams > self.max_beam_width:
+            raise LimitError(
+                f"num_beams={num_beams} is over the engine's max_beam_width={self.max_beam_width}; ask for fewer beams "
+                f"or export with a larger max_beam_width"
+            )
         if prompt_len > self.max_input_len:
             raise LimitError(
                 f"the prompt is {prompt_len} tokens including {media_features} media features, over "

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .config import DecoderConfig
-from .generate import SamplingParams, generate
+from .generate import SamplingParams
 from .model import Decoder, KVCache, select_llm_weights
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -111,6 +111,8 @@ class LLM:
         token_ids: the ids behind each sequence (-1 at media positions), for the repetition penalty.
         params: one for all requests or one per request. EOS is `params.end_id` or the tokenizer's EOS.
         """
+        from ..runtime.scheduler import generate  # the one decode engine; exporter.runtime imports this package
+
         per_request = [params] * len(embeddings) if isinstance(params, SamplingParams) else list(params)
         return generate(
             self.model,

@@ -1,4 +1,4 @@
-"""Generation for a batch of requests given as embedding sequences, each with its own sampling parameters.
+"""What decoding a request means, on the host: its parameters, its end conditions, beam search's bookkeeping.
 
 Semantics follow NeMo's exporter (TensorRT-LLM): greedy when `top_k == 1`, when `temperature == 0`, or when
 `top_k == 0` and `top_p == 0`; `top_k == 0` disables top-k and `top_p == 0` (or 1) disables top-p. The order
@@ -7,6 +7,8 @@ deterministic: it uses the repetition penalty and ignores temperature/top-k/top-
 their summed token log-probabilities divided by the number of generated tokens (EOS counted), i.e. length
 penalty 1.0, and stops like transformers' beam search (`early_stopping=False`).
 
+The tokens themselves are chosen on the device for all rows at once (`exporter.llm.sampling`); the in-flight
+scheduler (`exporter.runtime.scheduler`, which also has `generate`) hands each request its tokens here.
 Returned token ids never include the EOS token; a stop string's tokens are included (callers cut the text).
 """
 
@@ -15,11 +17,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .model import Decoder, KVCache
+from .model import Decoder
 from .tokenizer import Tokenizer
 
 
@@ -72,67 +72,6 @@ class SamplingParams:
         return self.top_k == 1 or self.temperature == 0.0 or (self.top_k == 0 and self.top_p == 0.0)
 
 
-@torch.inference_mode()
-def generate(
-    model: Decoder,
-    prompts: Sequence[Tensor],
-    prompt_ids: Sequence[Sequence[int]],
-    params: Sequence[SamplingParams],
-    eos_id: int | None = None,
-    tokenizer: Tokenizer | None = None,
-) -> list[list[list[int]]]:
-    """Generate for each prompt; returns `[request][beam] -> token ids` (best beam first).
-
-    prompts: per request the input embeddings `[T_i, H]` (token embeddings, media features spliced in).
-    prompt_ids: per request the T_i token ids behind the embeddings (-1 where a media feature sits); used
-        only for the repetition penalty.
-    params: per request; `end_id` overrides `eos_id`. Stop strings need `tokenizer`.
-
-    Every request owns `num_beams` consecutive rows of one batch and one preallocated KV cache; all rows step
-    together, rows of finished requests idle until the whole batch is done.
-    """
-    check_requests(model, prompts, prompt_ids, params, tokenizer)
-    if not prompts:
-        return []
-    vocab = model.config.vocab_size
-    requests = [
-        _make_request(p, [t for t in ids if 0 <= t < vocab], eos_id, tokenizer, model.device)
-        for p, ids in zip(params, prompt_ids)
-    ]
-    spans, start = [], 0
-    for request in requests:
-        spans.append(slice(start, start + request.width))
-        start += request.width
-
-    logits, cache, next_position = _prefill(model, prompts, spans, params)
-    for _ in range(max(p.max_output_len for p in params)):
-        tokens, source_rows = _step_requests(requests, spans, logits)
-        if all(r.done for r in requests):
-            break
-        if not torch.equal(source_rows, torch.arange(len(tokens), device=model.device)):
-            cache.reorder_(source_rows)
-        positions = torch.tensor(next_position, device=model.device)[:, None]
-        step_logits = model(model.embed(tokens)[:, None], positions, cache, kv_len=max(next_position) + 1)
-        logits = step_logits[:, 0].float()
-        for request, span in zip(requests, spans):
-            if not request.done:
-                next_position[span] = [p + 1 for p in next_position[span]]
-    return [r.results() for r in requests]
-
-
-def _step_requests(requests: list[_Request], spans: list[slice], logits: Tensor) -> tuple[Tensor, Tensor]:
-    """Let each unfinished request pick its rows' next tokens; returns the tokens `[rows]` and, per row, the
-    row whose cache it continues (beam search reorders its rows)."""
-    tokens = torch.zeros(len(logits), dtype=torch.long, device=logits.device)
-    source_rows = torch.arange(len(logits), device=logits.device)
-    for request, span in zip(requests, spans):
-        if not request.done:
-            tokens[span], parents = request.step(logits[span])
-            if parents is not None:
-                source_rows[span] = parents + span.start
-    return tokens, source_rows
-
-
 def check_requests(
     model: Decoder,
     prompts: Sequence[Tensor],
@@ -167,154 +106,110 @@ def check_requests(
             )
 
 
-def _prefill(
-    model: Decoder, prompts: Sequence[Tensor], spans: list[slice], params: Sequence[SamplingParams]
-) -> tuple[Tensor, KVCache, list[int]]:
-    """Run the right-padded prompts (repeated over each request's rows) at positions 0..T_i-1.
+class StopStrings:
+    """Finds a request's stop strings in the text each new token adds, decoding only a short tail of its tokens.
 
-    Returns the float32 logits after each row's last prompt token `[rows, V]`, the cache, and per row the
-    position its next token goes to.
+    A tail keeps the fewest last tokens whose text has more characters (partial ones not counted) than the longest
+    stop string: enough for a match that ends in the next token's text to start inside it.
     """
-    rows = spans[-1].stop
-    lengths = [len(embeds) for embeds, span in zip(prompts, spans) for _ in range(span.start, span.stop)]
-    max_seq = max(len(embeds) + p.max_output_len for embeds, p in zip(prompts, params))
-    padded = torch.zeros(rows, max(lengths), model.config.hidden_size, dtype=model.dtype, device=model.device)
-    for embeds, span in zip(prompts, spans):
-        padded[span, : len(embeds)] = embeds.to(padded)
-    cache = model.new_kv_cache(rows, max_seq)
-    last = torch.tensor(lengths, device=model.device) - 1
-    logits = model(padded, kv_cache=cache, output_index=last)[:, 0].float()
-    return logits, cache, lengths
+
+    def __init__(self, stops: Sequence[str], tokenizer: Tokenizer):
+        self.stops = tuple(stops)
+        self.tokenizer = tokenizer
+        self.keep = max(len(stop) for stop in self.stops) + 1  # a tail's first character may be dropped (a space)
+
+    def extend(self, tail: tuple[int, ...], token: int) -> tuple[tuple[int, ...], bool]:
+        """The tail with ``token`` appended, and whether a stop string now ends in the text."""
+        tail = (*tail, token)
+        text = self.tokenizer.decode(list(tail), skip_special=False)
+        if any(stop in text for stop in self.stops):
+            return tail, True
+        while len(tail) > 1 and self._characters(tail[1:]) >= self.keep:
+            tail = tail[1:]
+        return tail, False
+
+    def _characters(self, ids: tuple[int, ...]) -> int:
+        return len(self.tokenizer.decode(list(ids), skip_special=False).replace("\ufffd", ""))
 
 
 class _Request:
-    """What greedy/sampling and beam search share: penalties, end conditions."""
+    """What one sequence and a beam search share: the parameters and the end conditions."""
 
-    width = 1
-
-    def __init__(
-        self, params: SamplingParams, prompt_ids: list[int], eos_id: int | None, tokenizer: Tokenizer | None
-    ):
+    def __init__(self, params: SamplingParams, eos_id: int | None, tokenizer: Tokenizer | None):
         self.params = params
-        self.prompt_ids = prompt_ids
         self.eos_id = params.end_id if params.end_id is not None else eos_id
         self.end_ids = {self.eos_id, *params.stop_token_ids} - {None}  # tokens that end the answer, not kept
-        self.tokenizer = tokenizer
+        self.stops = StopStrings(params.stop, tokenizer) if params.stop else None
         self.done = False
 
-    def penalized(self, logits: Tensor, generated: list[int]) -> Tensor:
-        return apply_repetition_penalty(
-            logits, [*self.prompt_ids, *generated], self.params.repetition_penalty
-        )
 
-    def hits_stop(self, generated: list[int]) -> bool:
-        if not self.params.stop:
-            return False
-        text = self.tokenizer.decode(generated, skip_special=False)
-        return any(s in text for s in self.params.stop)
+class Answer(_Request):
+    """One greedy or sampled sequence: the tokens kept so far and whether it has ended."""
 
-
-class TokenSampler(_Request):
-    """Greedy or sampled decoding of one sequence."""
-
-    def __init__(self, *args, device: torch.device):
-        super().__init__(*args)
+    def __init__(self, params: SamplingParams, eos_id: int | None, tokenizer: Tokenizer | None):
+        super().__init__(params, eos_id, tokenizer)
         self.tokens: list[int] = []
-        self.generator = None
-        if not self.params.greedy:
-            self.generator = torch.Generator(device)
-            if self.params.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(self.params.seed)
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Greedy with no penalty: the token is the row's argmax, so a batch can pick it for every row at once."""
-        return self.generator is None and self.params.repetition_penalty == 1.0
-
-    def step(self, logits: Tensor) -> tuple[Tensor, None]:
-        token = self.choose(logits[0])
-        self.accept(token)
-        return torch.tensor([token], device=logits.device), None
-
-    def choose(self, logits: Tensor) -> int:
-        """The next token for the row's `logits [V]` (penalised, then argmax or sampled)."""
-        scores = self.penalized(logits, self.tokens)
-        return int(scores.argmax()) if self.generator is None else self._sample(scores)
+        self._tail: tuple[int, ...] = ()
 
     def accept(self, token: int) -> None:
-        """Record `token`; the request is done at EOS, at max_output_len or at a stop string."""
+        """Record ``token``; the answer is done at an end token, at max_output_len or at a stop string."""
         if token in self.end_ids:
             self.done = True
-        else:
-            self.tokens.append(token)
-            self.done = len(self.tokens) == self.params.max_output_len or self.hits_stop(self.tokens)
-
-    def _sample(self, scores: Tensor) -> int:
-        p = self.params
-        scores = scores / p.temperature
-        if p.top_k > 0:
-            kth_best = scores.topk(min(p.top_k, scores.numel())).values[-1]
-            scores = scores.masked_fill(scores < kth_best, float("-inf"))
-        probs = F.softmax(scores, dim=-1)
-        if 0.0 < p.top_p < 1.0:
-            probs = top_p_filter(probs, p.top_p)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            return
+        self.tokens.append(token)
+        hit = False
+        if self.stops is not None:
+            self._tail, hit = self.stops.extend(self._tail, token)
+        self.done = hit or len(self.tokens) == self.params.max_output_len
 
     def results(self) -> list[list[int]]:
         return [self.tokens]
 
 
-def apply_repetition_penalty(logits: Tensor, seen_ids: Sequence[int], penalty: float) -> Tensor:
-    """`logits [V]` with each seen token's logit divided by `penalty` if positive, multiplied if not."""
-    if penalty == 1.0 or not seen_ids:
-        return logits
-    index = torch.tensor(sorted(set(seen_ids)), device=logits.device)
-    picked = logits[index]
-    return logits.index_put((index,), torch.where(picked > 0, picked / penalty, picked * penalty))
+class BeamSearch(_Request):
+    """Beam search over `num_beams` beams; finished hypotheses scored by mean token log-probability.
 
+    Each step the device offers the best `2 × num_beams` continuations of all beams and continues the first
+    `num_beams` that are no end token; ``advance`` keeps the same ones unless a stop string ends one of them.
+    """
 
-def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
-    """Zero all but the smallest set of most likely tokens whose probabilities sum to at least `top_p`."""
-    sorted_probs, order = probs.sort(descending=True)
-    mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-
-
-class _BeamSearch(_Request):
-    """Beam search over `num_beams` rows; finished hypotheses scored by mean token log-probability."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.width = self.params.num_beams
+    def __init__(self, params: SamplingParams, eos_id: int | None, tokenizer: Tokenizer | None):
+        super().__init__(params, eos_id, tokenizer)
+        self.width = params.num_beams
         self.beams: list[list[int]] = [[] for _ in range(self.width)]
         self.scores = [0.0] + [float("-inf")] * (self.width - 1)  # summed log-probs; rows start identical
         self.finished: list[tuple[float, list[int]]] = []
+        self._tails: list[tuple[int, ...]] = [()] * self.width
 
-    def step(self, logits: Tensor) -> tuple[Tensor, Tensor]:
-        width, vocab = logits.shape
-        log_probs = torch.stack(
-            [F.log_softmax(self.penalized(logits[b], self.beams[b]), dim=-1) for b in range(width)]
-        )
-        totals = log_probs + torch.tensor(self.scores, device=logits.device)[:, None]
-        values, indices = totals.flatten().topk(2 * width)
-        live: list[tuple[float, int, list[int]]] = []
-        for rank, (value, index) in enumerate(zip(values.tolist(), indices.tolist())):
+    def advance(self, values: Sequence[float], ids: Sequence[int], vocab_size: int) -> bool:
+        """Take a step's candidates (best first: summed log-probability and `beam * vocab_size + token`); returns
+        whether the beams continued are the ones the device continued."""
+        width = self.width
+        candidates = [(value, *divmod(index, vocab_size)) for value, index in zip(values[: 2 * width],
+                                                                                 ids[: 2 * width])]
+        device = [(parent, token) for value, parent, token in candidates
+                  if value != float("-inf") and token not in self.end_ids][:width]
+        live: list[tuple[float, int, list[int], tuple[int, ...]]] = []
+        for rank, (value, parent, token) in enumerate(candidates):
             if value == float("-inf") or len(live) == width:
                 break
-            parent, token = divmod(index, vocab)
             tokens = self.beams[parent] + [token]
-            if token in self.end_ids or self.hits_stop(tokens):
+            if token in self.end_ids:
                 if rank < width:  # only candidates that would have been kept may end a hypothesis
-                    self._finish(value, tokens[:-1] if token in self.end_ids else tokens, len(tokens))
+                    self._finish(value, tokens[:-1], len(tokens))
                 continue
-            live.append((value, parent, tokens))
-        live += [(float("-inf"), 0, [0])] * (width - len(live))  # dead rows when too few candidates survive
+            tail, hit = self.stops.extend(self._tails[parent], token) if self.stops is not None else ((), False)
+            if hit:
+                if rank < width:
+                    self._finish(value, tokens, len(tokens))
+                continue
+            live.append((value, parent, tokens, tail))
+        kept = [(parent, tokens[-1]) for _, parent, tokens, _ in live]
+        live += [(float("-inf"), 0, [0], ())] * (width - len(live))  # dead rows when too few candidates survive
 
-        self.scores = [value for value, _, _ in live]
-        self.beams = [tokens for _, _, tokens in live]
+        self.scores = [value for value, _, _, _ in live]
+        self.beams = [tokens for _, _, tokens, _ in live]
+        self._tails = [tail for _, _, _, tail in live]
         length = len(self.beams[0])
         best_live = max(self.scores) / length
         if length == self.params.max_output_len or best_live == float("-inf"):
@@ -323,8 +218,7 @@ class _BeamSearch(_Request):
             self.done = True
         elif len(self.finished) == width and self.finished[-1][0] >= best_live:
             self.done = True
-        parents = torch.tensor([parent for _, parent, _ in live], device=logits.device)
-        return torch.tensor([tokens[-1] for tokens in self.beams], device=logits.device), parents
+        return kept == device
 
     def _finish(self, summed_log_prob: float, tokens: list[int], length: int) -> None:
         if summed_log_prob == float("-inf"):
@@ -335,15 +229,3 @@ class _BeamSearch(_Request):
 
     def results(self) -> list[list[int]]:
         return [tokens for _, tokens in self.finished]
-
-
-def _make_request(
-    params: SamplingParams,
-    prompt_ids: list[int],
-    eos_id: int | None,
-    tokenizer: Tokenizer | None,
-    device: torch.device,
-) -> _Request:
-    if params.num_beams > 1:
-        return _BeamSearch(params, prompt_ids, eos_id, tokenizer)
-    return TokenSampler(params, prompt_ids, eos_id, tokenizer, device=device)

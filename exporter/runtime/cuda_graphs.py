@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ..llm.model import Decoder, KVCache
+from ..llm.sampling import PARENT, POSITION, TOKEN, TokenChooser, host_to_device
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 KV_ALIGNMENT = 64  # cache lengths, attended spans and padded prompts are multiples of this
@@ -96,99 +97,122 @@ class GraphedCall:
 
 @dataclass
 class LaunchedStep:
-    """A decode step queued on the device: its logits ``[n, V]`` (valid until the next launch) and its rows' greedy
-    next tokens, read back without blocking the device."""
+    """Token choices queued on the device for rows ``[first, first + n)``: the logits they came from ``[n, V]``
+    (valid until the next launch), and host copies of each row's next token and, when beam rows took part, of each
+    beam leader's candidates, read back without blocking the device."""
 
+    first: int
     logits: Tensor
-    greedy_ids: Tensor
+    next_tokens: Tensor
+    candidate_values: Tensor | None
+    candidate_ids: Tensor | None
     done: torch.cuda.Event | None
 
-    def greedy(self) -> list[int]:
-        """Each row's argmax token (waits for this step only)."""
+    @classmethod
+    def read_back(cls, chooser: TokenChooser, first: int, logits: Tensor, candidates: bool) -> LaunchedStep:
+        """Queue the copies of what ``chooser.choose`` left for rows ``[first, first + len(logits))``."""
+        window = slice(first, first + len(logits))
+        outputs = [chooser.ints[TOKEN, window]]
+        if candidates:
+            outputs += [chooser.candidate_values[window], chooser.candidate_ids[window]]
+        if chooser.device.type != "cuda":
+            copies = [output.clone() for output in outputs]
+            done = None
+        else:
+            copies = [torch.empty(output.shape, dtype=output.dtype, pin_memory=True) for output in outputs]
+            for copy, output in zip(copies, outputs):
+                copy.copy_(output, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        values, ids = copies[1:] if candidates else (None, None)
+        return cls(first, logits, copies[0], values, ids, done)
+
+    def read(self) -> tuple[list[int], list[list[float]] | None, list[list[int]] | None]:
+        """Per row its next token, and per row (meaningful at beam leaders) its candidates' summed log-probabilities
+        and ``parent_offset * V + token`` ids, best first (None without beam rows). Waits for this launch only."""
         if self.done is not None:
             self.done.synchronize()
-        return self.greedy_ids.tolist()
+        if self.candidate_values is None:
+            return self.next_tokens.tolist(), None, None
+        return self.next_tokens.tolist(), self.candidate_values.tolist(), self.candidate_ids.tolist()
 
 
 class DecodeStep:
-    """One decode step for cache rows ``[0, n)``.
+    """One decode step for cache rows ``[0, n)`` with every row's next token chosen on the device.
 
-    A step reads each row's token and position from a device buffer and leaves there the row's greedy next token
-    and the next position: ``launch`` with tokens and positions sets them from the host; without, the step
-    continues every row greedily, so it can be queued before the host has read the previous step's tokens. Rows
-    are masked past their own position. On CUDA a step is a graph captured per (row bucket, attended span: the
-    shortest ``kv_bucket_sizes`` span holding ``furthest``); elsewhere it runs eagerly.
+    Each row's input token and position are the ``TokenChooser``'s state: a step reads them and leaves there the
+    row's next token and position (``TokenChooser.choose``), so steps can be queued back to back before the host has
+    read any of them. ``launch`` with tokens and positions sets them from the host instead (rows ``[0, n)`` active).
+    Beam rows given to ``launch`` first copy their parent rows' cache. Rows are masked past their own position. On
+    CUDA a step is a graph captured per (row bucket, attended span: the shortest ``kv_bucket_sizes`` span holding
+    ``furthest``, full or argmax-only choice); elsewhere it runs eagerly.
     """
 
-    def __init__(self, model: Decoder, cache: KVCache, use_cuda_graphs: bool | None = None):
+    def __init__(self, model: Decoder, cache: KVCache, use_cuda_graphs: bool | None = None,
+                 chooser: TokenChooser | None = None):
         self.model = model
         self.cache = cache
         device = model.device
         self.enabled = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs and device.type == "cuda"
         slots = cache.stop - cache.start
+        self.chooser = chooser or TokenChooser(slots, model.config.vocab_size, device)
         self.buckets = bucket_sizes(slots)
         self.spans = kv_bucket_sizes(cache.max_seq_len)
-        self.inputs = torch.zeros(slots, 2, dtype=torch.long, device=device)  # per row: token, position
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple[Tensor, Tensor]]] = {}
+        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         if self.enabled:
             self.pool = torch.cuda.graph_pool_handle()
-            self.staging = torch.zeros(slots, 2, dtype=torch.long).pin_memory()
-            self.read_back = [torch.zeros(slots, dtype=torch.long).pin_memory() for _ in range(2)]
-            self.launches = 0
 
     def launch(self, rows: int, furthest: int, tokens: Sequence[int] | None = None,
-               positions: Sequence[int] | None = None) -> LaunchedStep:
-        """Queue a step for rows ``[0, rows)`` whose positions are all below ``furthest``; ``tokens`` and
-        ``positions`` (one per row) replace what the previous step left."""
+               positions: Sequence[int] | None = None, *, full: bool = False,
+               beam_rows: Tensor | None = None) -> LaunchedStep:
+        """Queue a step for rows ``[0, rows)`` whose positions are all below ``furthest``.
+
+        ``tokens`` and ``positions`` (one per row) replace the chooser's; ``full`` runs penalties, sampling and beam
+        search (else an argmax); ``beam_rows`` (a device tensor) are the rows that copy their parent's cache first.
+        """
         span = next(s for s in self.spans if s >= furthest)
-        if not self.enabled:
-            if tokens is not None:
-                self.inputs[:rows] = torch.tensor([list(tokens), list(positions)]).T
-            logits, greedy = self._compute(rows, span)
-            return LaunchedStep(logits, greedy, None)
-        bucket = next(b for b in self.buckets if b >= rows)
         if tokens is not None:
-            self.staging[:rows] = torch.tensor([list(tokens), list(positions)]).T
-            self.inputs[:rows].copy_(self.staging[:rows], non_blocking=True)
-            self.inputs[rows:bucket].zero_()
-        if (bucket, span) not in self.graphs:
-            self._capture(bucket, span)
-        graph, (logits, greedy) = self.graphs[(bucket, span)]
-        graph.replay()
-        host = self.read_back[self.launches % 2][:rows]  # two steps can be in flight: alternate buffers
-        self.launches += 1
-        host.copy_(greedy[:rows], non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return LaunchedStep(logits[:rows], host, done)
+            self.chooser.place(tokens, positions)
+        if beam_rows is not None:
+            self.cache.copy_rows_(beam_rows, self.chooser.ints[PARENT, beam_rows], span)
+        if not self.enabled:
+            logits = self._compute(rows, span, full)
+        else:
+            bucket = next(b for b in self.buckets if b >= rows)
+            if (bucket, span, full) not in self.graphs:
+                self._capture(bucket, span, full)
+            graph, logits = self.graphs[(bucket, span, full)]
+            graph.replay()
+            logits = logits[:rows]
+        return LaunchedStep.read_back(self.chooser, 0, logits, full and beam_rows is not None)
 
     def capture_all(self) -> None:
-        """Capture every (row bucket, span) graph now, so no request waits for one later (before any request:
-        the captures run steps on the rows)."""
+        """Capture every (row bucket, span, choice) graph now, so no request waits for one later (before any
+        request: the captures run steps on the rows)."""
         for bucket in self.buckets if self.enabled else ():
             for span in self.spans:
-                if (bucket, span) not in self.graphs:
-                    self._capture(bucket, span)
+                for full in (False, True):
+                    if (bucket, span, full) not in self.graphs:
+                        self._capture(bucket, span, full)
 
     @property
     def graph_count(self) -> int:
         return len(self.graphs)
 
-    def _capture(self, bucket: int, span: int) -> None:
-        # Capturing runs the step from the current inputs (writing each row's cache at its own position, as the
-        # step will, and past it, where the next steps write): keep the inputs as they were.
-        saved = self.inputs.clone()
-        self.graphs[(bucket, span)] = capture(lambda: self._compute(bucket, span), self.pool)
-        self.inputs.copy_(saved)
+    def _capture(self, bucket: int, span: int, full: bool) -> None:
+        # Capturing runs the step from the current state (writing each row's cache at its own position, as the
+        # step will, and past it, where the next steps write): keep the state as it was.
+        saved = self.chooser.snapshot()
+        self.graphs[(bucket, span, full)] = capture(lambda: self._compute(bucket, span, full), self.pool)
+        self.chooser.restore(saved)
 
-    def _compute(self, rows: int, span: int) -> tuple[Tensor, Tensor]:
-        tokens, positions = self.inputs[:rows, 0], self.inputs[:rows, 1:]
+    def _compute(self, rows: int, span: int, full: bool) -> Tensor:
+        state = self.chooser.ints
+        tokens, positions = state[TOKEN, :rows], state[POSITION, :rows, None]
         view = self.cache.rows(0, rows)
         logits = self.model(self.model.embed(tokens)[:, None], positions, view, kv_len=span)[:, 0]
-        greedy = logits.argmax(-1)
-        self.inputs[:rows, 0] = greedy
-        self.inputs[:rows, 1] += 1
-        return logits, greedy
+        self.chooser.choose(logits, 0, full)
+        return logits
 
 
 def prefill_bucket(length: int) -> int:
@@ -258,5 +282,5 @@ class PrefillStep:
         for row, prompt in enumerate(prompts):
             padded[row, : lengths[row]] = prompt.to(padded)
         rows = self.cache.rows(first_row, first_row + len(prompts))
-        last = torch.tensor(lengths, device=model.device) - 1
+        last = host_to_device(lengths, torch.long, model.device) - 1
         return model(padded, kv_cache=rows, output_index=last)[:, 0].float()

@@ -1,8 +1,8 @@
 """Requests from text + media to text, each request succeeding or failing on its own.
 
-Preprocessing, the perception encoder and the prompt layout run per batch of requests; the LLM part goes to the
-in-flight :class:`Scheduler`, so requests from concurrent callers share decode steps. Beam-search requests, which
-need several rows of their own, run through ``generate``.
+Preprocessing, the perception encoder and the prompt layout run per batch of requests; the LLM part of every
+request (beam searches too) goes to the in-flight :class:`Scheduler`, so requests from concurrent callers share
+decode steps.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..engine import Engine
-from ..llm.generate import SamplingParams, generate
+from ..llm.generate import SamplingParams
 from ..models import PromptLayout
 from .feature_cache import FeatureCache, media_key
 from .scheduler import Handle, Scheduler
@@ -69,7 +69,8 @@ class Pipeline:
         self.stop_token_ids = tuple(sorted(i for i in stops if i is not None))
         self.scheduler = Scheduler(engine.decoder, max_slots=limits.max_batch_size,
                                    max_seq_len=limits.max_input_len + limits.max_output_len,
-                                   eos_id=tokenizer.eos_id, tokenizer=tokenizer)
+                                   eos_id=tokenizer.eos_id, tokenizer=tokenizer,
+                                   max_beam_width=limits.max_beam_width)
         if engine.decoder.device.type == "cuda":
             self.scheduler.warm_up()  # compile and capture before the first request, not during it
         self.scheduler.start()
@@ -81,19 +82,17 @@ class Pipeline:
 
     def run(self, requests: list[Request]) -> list[Completion | Exception]:
         prepared = self._prepare(requests)
-        handles = {i: self._submit(p) for i, p in enumerate(prepared)
-                   if isinstance(p, _Prepared) and p.params.num_beams == 1}
-        beams = [i for i, p in enumerate(prepared) if isinstance(p, _Prepared) and p.params.num_beams > 1]
         results: list[Completion | Exception] = [p if isinstance(p, Exception) else None for p in prepared]
-        if beams:
-            outputs = generate(self.engine.decoder, [prepared[i].embeds for i in beams],
-                               [prepared[i].layout.token_ids() for i in beams], [prepared[i].params for i in beams],
-                               eos_id=self.engine.tokenizer.eos_id, tokenizer=self.engine.tokenizer)
-            for i, token_lists in zip(beams, outputs):
-                results[i] = self._completion(token_lists, prepared[i].layout)
+        handles: dict[int, Handle] = {}
+        for i, p in enumerate(prepared):
+            if isinstance(p, _Prepared):
+                try:
+                    handles[i] = self._submit(p)
+                except Exception as error:  # noqa: BLE001 - reported per request
+                    results[i] = error
         for i, handle in handles.items():
             try:
-                results[i] = self._completion([handle.result()], prepared[i].layout)
+                results[i] = self._completion(handle.results(), prepared[i].layout)
             except Exception as error:  # noqa: BLE001 - reported per request
                 results[i] = error
         return results
@@ -131,7 +130,7 @@ class Pipeline:
         media_items: dict[int, list[_MediaItem]] = {}
         for i, request in enumerate(requests):
             try:
-                self.engine.limits.check_request(0, 0, request.params.max_output_len)
+                self.engine.limits.check_request(0, 0, request.params.max_output_len, request.params.num_beams)
                 media_items[i] = self._load_media(request.media)
             except Exception as error:  # noqa: BLE001 - reported per request
                 results[i] = error
