@@ -164,17 +164,18 @@ class DecodeStep:
 
     def launch(self, rows: int, furthest: int, tokens: Sequence[int] | None = None,
                positions: Sequence[int] | None = None, *, full: bool = False,
-               beam_rows: Tensor | None = None) -> LaunchedStep:
+               beam_rows: Tensor | None = None, beams_from: int = 0) -> LaunchedStep:
         """Queue a step for rows ``[0, rows)`` whose positions are all below ``furthest``.
 
         ``tokens`` and ``positions`` (one per row) replace the chooser's; ``full`` runs penalties, sampling and beam
-        search (else an argmax); ``beam_rows`` (a device tensor) are the rows that copy their parent's cache first.
+        search (else an argmax); ``beam_rows`` (a device tensor) are the rows that first copy their parent's cache
+        from position ``beams_from`` on (where beams of one prompt start to differ).
         """
         span = next(s for s in self.spans if s >= furthest)
         if tokens is not None:
             self.chooser.place(tokens, positions)
         if beam_rows is not None:
-            self.cache.copy_rows_(beam_rows, self.chooser.ints[PARENT, beam_rows], span)
+            self.cache.copy_rows_(beam_rows, self.chooser.ints[PARENT, beam_rows], beams_from, furthest)
         if not self.enabled:
             logits = self._compute(rows, span, full)
         else:

@@ -274,10 +274,12 @@ class Scheduler:
 
     def _launch(self, running: list[_Running]) -> None:
         last = running[-1]
-        beam_rows = [row for request in running if request.width > 1 for row in request.rows]
+        searches = [request for request in running if request.width > 1]
+        beam_rows = [row for request in searches for row in request.rows]
         step = self.decode.launch(last.first_row + last.width, max(r.position for r in running) + 1,
                                   full=not all(r.plain for r in running),
-                                  beam_rows=self._beam_rows_tensor(beam_rows) if beam_rows else None)
+                                  beam_rows=self._beam_rows_tensor(beam_rows) if beam_rows else None,
+                                  beams_from=min((len(r.handle.prompt) for r in searches), default=0))
         self.decode_steps += 1
         self.steps_queued_ahead += any(launched.decode for launched in self._inflight)
         for request in running:
@@ -384,14 +386,22 @@ class Scheduler:
         return [t for t in request.handle.prompt_ids if 0 <= t < vocab]
 
     def _prefill_prompts(self, placed: list[_Running]) -> Tensor:
-        """Prefill each prompt once, into its first row; returns the logits after each prompt ``[n, V]``."""
+        """Prefill each prompt once, into its first row, and copy it to a beam search's other rows; returns the
+        logits after each prompt ``[n, V]``."""
         first = placed[0].first_row
         logits = self.prefill([request.handle.prompt for request in placed], first)
-        moves = [(request.first_row, first + i) for i, request in enumerate(placed) if request.first_row != first + i]
-        if moves:  # prefilled side by side; a beam search's other rows lie between its prompt and the next one
-            targets, sources = (host_to_device(rows, torch.long, self.model.device) for rows in zip(*moves))
-            self.cache.copy_rows_(targets, sources, max(len(request.handle.prompt) for request in placed))
+        longest = max(len(request.handle.prompt) for request in placed)
+        # prefilled side by side, then each moved to its first row (a beam search's other rows lie in between)
+        self._copy_rows([(request.first_row, first + i) for i, request in enumerate(placed)], longest)
+        self._copy_rows([(row, request.first_row) for request in placed for row in request.rows[1:]], longest)
         return logits
+
+    def _copy_rows(self, pairs: list[tuple[int, int]], length: int) -> None:
+        """Each (target, source) row pair: the target gets the source's cache slots ``[0, length)``."""
+        pairs = [(target, source) for target, source in pairs if target != source]
+        if pairs:
+            targets, sources = (host_to_device(rows, torch.long, self.model.device) for rows in zip(*pairs))
+            self.cache.copy_rows_(targets, sources, 0, length)
 
     # --- reading back -----------------------------------------------------------------------------------------
 
