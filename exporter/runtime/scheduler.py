@@ -160,7 +160,8 @@ class Scheduler:
         self.max_beam_width = max_beam_width
         self.eos_id = eos_id
         self.tokenizer = tokenizer
-        self.cache = model.new_kv_cache(max_slots, aligned_cache_len(max_seq_len))
+        # a position of slack: capturing a step graph (on first use) runs the step twice, once past every row's position
+        self.cache = model.new_kv_cache(max_slots, aligned_cache_len(max_seq_len + 1))
         self.slots: list[_Running | None] = [None] * max_slots
         self.waiting: deque[Handle] = deque()
         self.chooser = TokenChooser(max_slots, model.config.vocab_size, model.device, max_beam_width)
