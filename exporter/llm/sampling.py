@@ -37,9 +37,10 @@ _MASK32 = 0xFFFFFFFF
 class RowSetup:
     """What a request's row starts with: its sampling parameters, where it stands and its place in a beam search.
 
-    ``position`` is the position of the last token already in the cache (the prompt's last one): ``choose`` picks
-    the token for the position after it. ``width`` and ``offset`` place the row in its request's beam group (1 and 0
-    for a single sequence); ``score`` is the beam's summed log-probability so far.
+    ``token`` at ``position`` is the row's latest token: the next step's input, or, for a prompt just prefilled
+    (its last position; the token unused), the one after which ``choose`` picks from the prefill's logits. ``width``
+    and ``offset`` place the row in its request's beam group (1 and 0 for a single sequence); ``score`` is the
+    beam's summed log-probability so far.
     """
 
     greedy: bool
