@@ -182,11 +182,11 @@ def test_torch_dist_stores_stacked_chunked_layers(tmp_path, tiny_gpt_config, tin
 )
 def test_loading_without_storage_offsets(tmp_path, tiny_gpt_config, tiny_gpt_weights, options, monkeypatch):
     """Older torch gives meta tensors no storage offsets: the reader then loads the stored tensors instead."""
-    import exporter.checkpoint as checkpoint_module
+    import exporter.checkpoint.streaming as streaming
 
     weights = tiny_gpt_weights(tiny_gpt_config)
     path = write_nemo(tmp_path / "m.nemo", tiny_gpt_config, weights, **options)
-    monkeypatch.setattr(checkpoint_module, "_stored_offset", lambda meta: None)
+    monkeypatch.setattr(streaming, "stored_offset", lambda meta: None)
     assert_same_tensors(NemoCheckpoint(path).state_dict(), weights)
 
 
