@@ -426,20 +426,6 @@ def test_zarr_checkpoint_is_refused(tmp_path):
         NemoCheckpoint(tar_directory(folder.parent, tmp_path / "z.nemo"))
 
 
-def test_dist_metadata_with_foreign_globals_is_refused(tmp_path, tiny_gpt_config, tiny_gpt_weights):
-    folder = tmp_path / "ckpt"
-    path = write_nemo(
-        tmp_path / "m.nemo", tiny_gpt_config, tiny_gpt_weights(tiny_gpt_config), layout="torch_dist"
-    )
-    with tarfile.open(path) as tar:
-        tar.extractall(folder, filter="data")
-    (folder / "model_weights" / ".metadata").write_bytes(
-        pickle.dumps(print)
-    )  # any callable outside the allowlist
-    with pytest.raises(NemoCheckpointError, match="refusing to unpickle builtins.print"):
-        NemoCheckpoint(folder).state_dict()
-
-
 def test_checkpoint_without_weights_lists_contents(tmp_path):
     with pytest.raises(NemoCheckpointError, match="no weights found.*model_config.yaml, notes.txt"):
         NemoCheckpoint(tar_with(tmp_path, member("./notes.txt")))

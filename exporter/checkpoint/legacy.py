@@ -5,41 +5,25 @@ Each tensor is allocated once at its merged size and every rank's bytes stream i
 
 from __future__ import annotations
 
-import collections
 import functools
-import io
 import re
-import typing
 from collections.abc import Callable
 
-import omegaconf
 import torch
 
 from .archive import Archive, NemoCheckpointError, reading
 from .names import FC1_UP, GATED_ACTIVATIONS, LAYER_KEY, canonical_name, tp_split_dim
+from .safe_pickle import LEGACY_SAFE_GLOBALS, load_tensors
 from .streaming import Piece, as_rows, fill, stored_offset
 
 TP_SHARD = re.compile(r"^mp_rank_(\d+)/model_weights\.ckpt$")
 TP_PP_SHARD = re.compile(r"^tp_rank_(\d+)_pp_rank_(\d+)/model_weights\.ckpt$")
 
-#: Non-tensor objects legacy weight files legitimately hold: TE extra states (BytesIO) and a PTL
-#: `hyper_parameters.cfg` DictConfig. torch.load(weights_only=True) refuses everything else.
-_CKPT_SAFE_GLOBALS = [
-    io.BytesIO, bytes, dict, list, int, collections.defaultdict, typing.Any, omegaconf.DictConfig,
-    omegaconf.ListConfig, omegaconf.base.ContainerMetadata, omegaconf.base.Metadata, omegaconf.nodes.AnyNode,
-    omegaconf.nodes.StringNode, omegaconf.nodes.IntegerNode, omegaconf.nodes.FloatNode,
-    omegaconf.nodes.BooleanNode,
-]
-
 
 def torch_load(archive: Archive, name: str, map_location: str = "cpu"):
-    """torch.load(weights_only=True) of member `name`, allowing only `_CKPT_SAFE_GLOBALS`."""
-    with (
-        archive.open(name) as handle,
-        reading(archive.path, name),
-        torch.serialization.safe_globals(_CKPT_SAFE_GLOBALS),
-    ):
-        return torch.load(handle, map_location=map_location, weights_only=True)
+    """The object pickled in weights file `name`, loaded without running code (`safe_pickle`)."""
+    with archive.open(name) as handle, reading(archive.path, name):
+        return load_tensors(handle, map_location, LEGACY_SAFE_GLOBALS)
 
 
 class LegacyReader:

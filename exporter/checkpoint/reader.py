@@ -5,8 +5,9 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 import torch
 import yaml
@@ -121,7 +122,7 @@ class NemoCheckpoint:
         meta = folder + "metadata.json"
         backend = None
         if meta in self._archive.names:
-            backend = json.loads(self._archive.read(meta)).get("sharded_backend")
+            backend = self._parse(meta, json.loads).get("sharded_backend")
         if backend == "zarr":
             raise NemoCheckpointError(
                 f"{self.path}: {folder} is a zarr distributed checkpoint, which is not supported; convert it "
@@ -136,16 +137,27 @@ class NemoCheckpoint:
     def _load_config(self) -> DictConfig:
         names = self._archive.names
         if self.layout == "nemo2":
-            return nemo2_to_nemo1_config(yaml.safe_load(self._archive.read("context/model.yaml")))
+            return nemo2_to_nemo1_config(self._parse("context/model.yaml", yaml.safe_load))
         configs = sorted((n for n in names if n.rsplit("/")[-1] == "model_config.yaml"), key=len)
         if configs:
-            return OmegaConf.create(yaml.safe_load(self._archive.read(configs[0])))
+            return OmegaConf.create(self._parse(configs[0], yaml.safe_load))
         weights = next((n for n in names if n.endswith("model_weights.ckpt")), None)
         saved = torch_load(self._archive, weights, map_location="meta") if weights else None
         cfg = saved.get("hyper_parameters", {}).get("cfg") if isinstance(saved, dict) else None
         if cfg is None:
             raise NemoCheckpointError(f"{self.path}: no model_config.yaml, no hyper_parameters.cfg")
         return OmegaConf.create(OmegaConf.to_container(cfg) if isinstance(cfg, DictConfig) else cfg)
+
+    def _parse(self, name: str, parse: Callable[[bytes], Any]) -> dict:
+        """Member `name` parsed by `parse` (json.loads or yaml.safe_load: data only, never objects) as a mapping."""
+        try:
+            value = parse(self._archive.read(name))
+        except (ValueError, yaml.YAMLError) as err:
+            reason = str(err).splitlines()[0]
+            raise NemoCheckpointError(f"{self.path}: {name} is not valid JSON or YAML data: {reason}") from None
+        if not isinstance(value, dict):
+            raise NemoCheckpointError(f"{self.path}: {name} holds a {type(value).__name__}, not a mapping")
+        return value
 
     def _renamed(self, key: str) -> str:
         """Stored `key` after the user's `old:new` renames."""

@@ -4,21 +4,14 @@ from __future__ import annotations
 
 import functools
 import io
-import pickle
 from collections.abc import Callable
 
 import torch
 
 from .archive import Archive, NemoCheckpointError, reading
 from .names import LAYER_KEY, canonical_name
+from .safe_pickle import load_dist_metadata, load_tensors
 from .streaming import Piece, Window, as_rows, fill
-
-#: What a torch.distributed.checkpoint `.metadata` pickle may reference besides its metadata module.
-_METADATA_SAFE_GLOBALS = {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"),
-}
 
 
 class DistReader:
@@ -26,8 +19,9 @@ class DistReader:
 
     def __init__(self, archive: Archive, folder: str):
         self._archive, self._folder = archive, folder
-        with archive.open(folder + ".metadata") as handle, reading(archive.path, folder + ".metadata"):
-            self._metadata = _MetadataUnpickler(handle).load()
+        name = folder + ".metadata"
+        with archive.open(name) as handle, reading(archive.path, name):
+            self._metadata = load_dist_metadata(handle, f"{archive.path}: {name}")
 
     def load(self, renamed: Callable[[str], str]) -> dict[str, torch.Tensor]:
         """Every tensor under its canonical name (after `renamed`); stacked layers become one tensor each."""
@@ -55,7 +49,7 @@ class DistReader:
         """Stream one chunk (a torch.save stream at `offset` of member `name`) into its pieces."""
         def load(map_location: str) -> torch.Tensor:
             window = io.BufferedReader(Window(handle, offset, length), 1 << 20)
-            return torch.load(window, map_location=map_location, weights_only=True)
+            return load_tensors(window, map_location)
 
         with self._archive.open(name) as handle, reading(self._archive.path, name):
             fill(handle, offset, load("meta"), pieces, functools.partial(load, "cpu"))
@@ -89,14 +83,3 @@ def _chunk_pieces(target: torch.Tensor | list[torch.Tensor], chunk) -> list[Piec
         return [(0, as_rows(target))]
     return [(0, target[(slice(offsets[0], offsets[0] + sizes[0]), *inner)])]
 
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles torch.distributed.checkpoint `.metadata`, allowing only the classes that file needs."""
-
-    def find_class(self, module: str, name: str):
-        if module == "torch.distributed.checkpoint.metadata" or (module, name) in _METADATA_SAFE_GLOBALS:
-            return super().find_class(module, name)
-        constant = getattr(torch, name, None) if module == "torch" else None
-        if constant is torch.Size or isinstance(constant, (torch.dtype, torch.layout, torch.memory_format)):
-            return constant
-        raise NemoCheckpointError(f"refusing to unpickle {module}.{name} from a dist checkpoint's .metadata")
