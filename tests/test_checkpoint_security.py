@@ -209,13 +209,17 @@ def test_metadata_cannot_point_outside_the_checkpoint(dist_nemo, tmp_path):
 
 
 def test_a_real_metadata_still_reads(dist_nemo, tmp_path):
-    """The allow-list is not too narrow: the writer's own `.metadata`, re-pickled at protocol 2 and 5, reads."""
+    """The allow-list is not too narrow: the writer's own `.metadata`, re-pickled at protocol 2 and 5, and with
+    the checkpoint folder's path as Python 3.13 pickles it (`pathlib._local.PosixPath`), reads."""
     with tarfile.open(dist_nemo) as tar:
         metadata = pickle.loads(tar.extractfile("./" + METADATA).read())
+    assert isinstance(metadata.storage_meta.checkpoint_id, Path)
     expected = NemoCheckpoint(dist_nemo).state_dict()
-    for protocol in (2, 5):
-        path = replace_member(dist_nemo, tmp_path / f"p{protocol}.nemo", METADATA,
-                              pickle.dumps(metadata, protocol=protocol))
+    python313 = pickle.dumps(metadata, protocol=2).replace(b"cpathlib\nPosixPath\n", b"cpathlib._local\nPosixPath\n")
+    assert b"pathlib._local" in python313
+    for name, data in {"2": pickle.dumps(metadata, protocol=2), "5": pickle.dumps(metadata, protocol=5),
+                       "3.13": python313}.items():
+        path = replace_member(dist_nemo, tmp_path / f"p{name}.nemo", METADATA, data)
         got = NemoCheckpoint(path).state_dict()
         assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
 
