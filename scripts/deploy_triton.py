@@ -289,8 +289,7 @@ def start_openai_server(settings: argparse.Namespace, exporter):
     """The OpenAI-compatible API over `exporter`, listening (None without --openai_port)."""
     if settings.openai_port is None:
         return None
-    from deploy.openai_api import create_app
-    from deploy.openai_server import OpenAIServer
+    from deploy.openai import OpenAIServer, create_app
 
     app = create_app(exporter, settings.triton_model_name, media_policy(settings), settings.openai_max_request_bytes)
     server = OpenAIServer(app, host=settings.openai_address or settings.triton_http_address, port=settings.openai_port)

@@ -29,8 +29,7 @@ import sentencepiece
 from PIL import Image
 
 from conftest import load_demo_builder, stop_server, wait_until_ready
-from deploy.openai_api import create_app
-from deploy.openai_server import OpenAIServer
+from deploy.openai import OpenAIServer, create_app
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.llm.generate import SamplingParams
