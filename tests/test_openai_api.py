@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import functools
-import http.server
 import io
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import numpy as np
 import openai
@@ -35,6 +31,7 @@ from exporter import TensorRTMMExporter
 from exporter.llm.generate import SamplingParams
 from exporter.media_safety import MediaPolicy
 from exporter.runtime import Request
+from media_host import MediaHost
 from query import NemoQueryMultimodal
 from salm_fixtures import build_salm, write_clips
 from test_serve_demo import COLOR_Q, MODEL, REPO, SHAPE_Q
@@ -107,25 +104,6 @@ def noise_png(size: int) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(np.random.default_rng(size).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buffer, "PNG")
     return buffer.getvalue()
-
-
-@contextlib.contextmanager
-def image_host(folder: Path):
-    """A plain HTTP server on loopback serving `folder`; yields its base URL."""
-    handler = functools.partial(_QuietHandler, directory=str(folder))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args) -> None:
-        pass
 
 
 # --- fixtures -------------------------------------------------------------------------------------------------------
@@ -345,7 +323,8 @@ def test_a_model_failure_answers_500(demo, monkeypatch):
 def test_media_urls_follow_the_policy(demo):
     _, exporter, _ = demo
     ask_url = "{}/red_circle.png"
-    with image_host(IMAGES) as host:
+    with MediaHost(folder=IMAGES) as media_host:
+        host = media_host.url
         body = {"model": MODEL, "messages": image_message(SHAPE_Q, ask_url.format(host))}
         with serving(create_app(exporter, MODEL)) as url:  # default: only public addresses
             assert_error_object(*post(url + "/chat/completions", body), 400, "media_allow_private_networks")
@@ -522,8 +501,8 @@ def test_deploy_script_serves_openai_and_curl_gets_plain_and_streamed_answers(de
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
         big = {"model": MODEL, "messages": image_message(SHAPE_Q, data_url(noise_png(64)))}
         assert_error_object(*post(f"{url}/chat/completions", big), 413, "max_bytes")  # --media_max_bytes
-        with image_host(IMAGES) as host:  # --media_allow_private_networks is off
-            remote = {"model": MODEL, "messages": image_message(SHAPE_Q, host + "/green_square.png")}
+        with MediaHost(folder=IMAGES) as host:  # --media_allow_private_networks is off
+            remote = {"model": MODEL, "messages": image_message(SHAPE_Q, host.url + "/green_square.png")}
             assert_error_object(*post(f"{url}/chat/completions", remote), 400, "media_allow_private_networks")
     finally:
         stop_server(server, 120)

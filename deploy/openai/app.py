@@ -9,6 +9,7 @@ or route; 413 media (or the body) over a size cap; 422 invalid parameters; 500 a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import uuid
@@ -17,14 +18,22 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from deploy.openai.errors import APIError, api_error
+from deploy.openai.errors import APIError, api_error, validation_error
 from deploy.openai.schema import ChatCompletionRequest
-from deploy.openai.translate import ServedModel, StopFilter, completion_body, finish_reason, to_pipeline_request, usage
-from exporter.media_safety import MediaPolicy
+from deploy.openai.translate import (
+    MAX_TEXT_BYTES,
+    ServedModel,
+    StopFilter,
+    completion_body,
+    finish_reason,
+    to_pipeline_request,
+    usage,
+)
+from exporter.media_safety import MediaFetcher, MediaPolicy
 from exporter.runtime import Completion
 from exporter.runtime import Request as PipelineRequest
 
@@ -142,18 +151,41 @@ def _replay(messages: list[dict], then=None):
 
 
 def default_max_request_bytes(policy: MediaPolicy) -> int:
-    """Room for the policy's media as base64 in one body, plus 1 MiB of text."""
-    return policy.max_items * policy.max_bytes * 4 // 3 + (1 << 20)
+    """What the policy's media allow in one body (`max_items` × `max_bytes` as base64) plus the text cap and 64 KiB
+    for the JSON around them."""
+    return policy.max_items * policy.max_bytes * 4 // 3 + MAX_TEXT_BYTES + (64 << 10)
+
+
+async def _chat_body(request: Request) -> ChatCompletionRequest:
+    """The request's body parsed and validated in a worker thread (a large body does not hold up the event loop)."""
+    raw = await request.body()
+    try:
+        return await anyio.to_thread.run_sync(ChatCompletionRequest.model_validate_json, raw)
+    except ValidationError as error:
+        raise validation_error(error.errors()) from None
 
 
 def create_app(exporter: Any, model_name: str, policy: MediaPolicy | None = None,
                max_request_bytes: int | None = None) -> FastAPI:
-    """The FastAPI app serving `exporter` as model `model_name`; `app.state.ready` gates `/v1/health/ready`."""
+    """The FastAPI app serving `exporter` as model `model_name`; `app.state.ready` gates `/v1/health/ready`.
+
+    Media URLs are fetched on the app's event loop (`MediaFetcher`), and parsing, media checks and the model run in
+    worker threads, so the model list and health answer at once while requests wait on slow hosts or the model.
+    """
     if max_request_bytes is not None and max_request_bytes < 1:
         raise ValueError(f"openai_max_request_bytes must be a positive number of bytes, got {max_request_bytes}")
     policy = policy or MediaPolicy()
     model = ServedModel(model_name, exporter)
-    app = FastAPI(title="nemo-mm-deploy OpenAI-compatible API")
+    fetcher = MediaFetcher(policy)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await fetcher.aclose()
+
+    app = FastAPI(title="nemo-mm-deploy OpenAI-compatible API", lifespan=lifespan)
     app.state.ready = True
     app.state.model = model
     app.add_middleware(_BodyLimit, max_bytes=max_request_bytes or default_max_request_bytes(policy))
@@ -161,17 +193,6 @@ def create_app(exporter: Any, model_name: str, policy: MediaPolicy | None = None
     @app.exception_handler(APIError)
     async def _api_error(_: Request, error: APIError) -> JSONResponse:
         return error.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-        first = error.errors()[0]
-        if first.get("type") == "json_invalid":
-            reason = (first.get("ctx") or {}).get("error", "invalid JSON")
-            return APIError(400, f"the request body is not valid JSON ({reason}); send a JSON object",
-                            code="invalid_json").response()
-        where = [str(part) for part in first.get("loc", ()) if part != "body"]
-        message = f"{'.'.join(where) or 'body'}: {first.get('msg', 'invalid')}"
-        return APIError(422, message, param=".".join(where) or None, code="invalid_parameter").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -194,35 +215,37 @@ def create_app(exporter: Any, model_name: str, policy: MediaPolicy | None = None
                            param="model", code="model_not_found")
 
     @app.get("/v1/models")
-    def list_models() -> dict[str, Any]:
+    async def list_models() -> dict[str, Any]:
         return {"object": "list", "data": [model.card()]}
 
     @app.get("/v1/models/{name}")
-    def get_model(name: str) -> dict[str, Any]:
+    async def get_model(name: str) -> dict[str, Any]:
         require_model(name)
         return model.card()
 
     @app.get("/v1/health/live")
-    def live() -> dict[str, str]:
+    async def live() -> dict[str, str]:
         return {"status": "live"}
 
     @app.get("/v1/health/ready")
-    def ready() -> dict[str, str]:
+    async def ready() -> dict[str, str]:
         require_ready()
         return {"status": "ready"}
 
     @app.post("/v1/chat/completions")
-    def chat_completions(body: ChatCompletionRequest):
+    async def chat_completions(http_request: Request):
+        body = await _chat_body(http_request)
         require_model(body.model)
         require_ready()
         try:
-            request = to_pipeline_request(body, model, policy)
+            request = await to_pipeline_request(body, model, fetcher)
             if not body.stream:
-                result = exporter.generate([request])[0]
+                result = (await anyio.to_thread.run_sync(exporter.generate, [request]))[0]
                 if isinstance(result, Exception):
                     raise result
                 return completion_body(result, request, model_name)
-            pieces = peeked(iter(exporter.stream(request)))  # errors before any text still get their status
+            # the first piece is awaited here, so that errors before any text still get their status
+            pieces = await anyio.to_thread.run_sync(lambda: peeked(iter(exporter.stream(request))))
         except Exception as error:  # noqa: BLE001 - mapped to an OpenAI error object
             raise api_error(error) from error
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

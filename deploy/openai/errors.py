@@ -1,8 +1,9 @@
-"""OpenAI error objects: `APIError` (an HTTP status and a message) and the mapping from the exceptions a request raises."""
+"""OpenAI error objects: `APIError` (an HTTP status and a message) and the mapping from what a request raises."""
 
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -29,14 +30,37 @@ class APIError(Exception):
 
 
 def api_error(error: Exception) -> APIError:
-    """The API error for an exception raised while fetching media or answering a request."""
+    """The API error for an exception raised while fetching media or answering a request: one short line naming
+    the problem, without the server's paths; the traceback of a server fault goes to the log."""
     if isinstance(error, APIError):
         return error
     if isinstance(error, MediaTooLargeError):
-        return APIError(413, str(error), code="media_too_large")
+        return APIError(413, one_line(error), code="media_too_large")
     if isinstance(error, MediaError):
-        return APIError(400, str(error), code="invalid_media")
+        return APIError(400, one_line(error), code="invalid_media")
     if isinstance(error, ValueError):  # the pipeline's input errors: limits, layout, undecodable media, parameters
-        return APIError(400, f"{type(error).__name__}: {error}", code="invalid_request")
+        return APIError(400, f"{type(error).__name__}: {one_line(error)}", code="invalid_request")
     LOGGER.error("the model failed a request", exc_info=error)
-    return APIError(500, f"the model failed: {type(error).__name__}: {error}", code="internal_error")
+    return APIError(500, f"the model failed: {type(error).__name__}: {one_line(error)}", code="internal_error")
+
+
+def validation_error(errors: list[dict[str, Any]]) -> APIError:
+    """The API error for the first of pydantic's validation errors of a request body (400 for a body that is not
+    JSON, else 422 naming the field)."""
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        reason = (first.get("ctx") or {}).get("error", "invalid JSON")
+        return APIError(400, f"the request body is not valid JSON ({reason}); send a JSON object", code="invalid_json")
+    where = ".".join(str(part) for part in first.get("loc", ()))
+    return APIError(422, f"{where or 'body'}: {first.get('msg', 'invalid')}", param=where or None,
+                    code="invalid_parameter")
+
+
+_DIRECTORIES = re.compile(r"(?<![\w:/.])/(?:[^\s/'\"]+/)+")  # "/srv/app/x.py" but not the path of a URL
+
+
+def one_line(error: Exception, limit: int = 500) -> str:
+    """The error's message as one line of at most `limit` characters, absolute paths cut to their file names."""
+    text = " ".join(str(error).split())
+    text = _DIRECTORIES.sub("", text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -5,9 +5,11 @@ Translation to the pipeline (`exporter.runtime.Request`):
   by newlines) make the one user turn the checkpoint's template renders. Conversations with `assistant` turns are
   refused: the templates render a single turn as training did.
 - Media parts (`image_url`, `video_url`, `input_audio`; http(s), `data:` or, when a folder is allowed, `file:` URLs)
-  are fetched and checked under the server's `MediaPolicy`. Each message's media go in front of its text as
+  are fetched and checked under the server's `MediaPolicy` by its `MediaFetcher`, all at once and only after the
+  whole body was checked. Each message's media go in front of its text as
   placeholders (`<image>` / `<video>`), the layout LLaVA-style checkpoints were trained on, unless the text holds
-  the placeholders itself: then the media fill them in order.
+  the placeholders itself: then the media fill them in order. The text of one request is capped at
+  `MAX_TEXT_BYTES` (413) before anything is tokenized.
 - `max_tokens` (or `max_completion_tokens`) → `max_output_len` (default: the engine's limit); `temperature`,
   `top_p`, `seed`, `stop` → `SamplingParams`; `top_k` and `repetition_penalty` are accepted as extensions. With
   neither `temperature` nor `top_p` the answer is greedy (NeMo's default); `temperature: 0` is greedy too.
@@ -18,6 +20,7 @@ Translation to the pipeline (`exporter.runtime.Request`):
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -26,11 +29,12 @@ from typing import Any
 from deploy.openai.errors import APIError, api_error
 from deploy.openai.schema import AudioPart, ChatCompletionRequest, ImagePart, TextPart, VideoPart
 from exporter.llm.generate import SamplingParams
-from exporter.media_safety import MediaError, MediaPolicy, load_checked
+from exporter.media_safety import MediaError, MediaFetcher
 from exporter.runtime import Completion
 from exporter.runtime import Request as PipelineRequest
 
 OWNER = "nemo-mm-deploy"
+MAX_TEXT_BYTES = 1 << 20  # the text of one request, far more than any model's max_input_len of tokens
 
 
 @dataclass
@@ -65,10 +69,23 @@ class ServedModel:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": OWNER}
 
 
-def to_pipeline_request(body: ChatCompletionRequest, model: ServedModel, policy: MediaPolicy) -> PipelineRequest:
-    """The pipeline request for a chat body: one user turn with placeholders, fetched media, sampling parameters."""
-    system_texts, user_texts, media = [], [], []
-    kinds = model.media_kinds()
+@dataclass(frozen=True)
+class MediaItem:
+    """One media part of a chat body: where it is, its source (a URL or a `data:` URL) and the kind it must be."""
+
+    where: str
+    source: str
+    kind: str
+
+
+async def to_pipeline_request(body: ChatCompletionRequest, model: ServedModel,
+                              fetcher: MediaFetcher) -> PipelineRequest:
+    """The pipeline request for a chat body: one user turn with placeholders, fetched media, sampling parameters.
+
+    The whole body is checked before any media is fetched; then its media are fetched at once.
+    """
+    system_texts, user_texts, items = [], [], []
+    kinds, policy = model.media_kinds(), fetcher.policy
     for index, message in enumerate(body.messages):
         parts = [TextPart(type="text", text=message.content)] if isinstance(message.content, str) else \
             list(message.content or [])
@@ -77,28 +94,32 @@ def to_pipeline_request(body: ChatCompletionRequest, model: ServedModel, policy:
                                 "renders one user turn; send the system prompt and the user's message only",
                            param=f"messages[{index}]", code="unsupported_conversation")
         texts = [part.text for part in parts if isinstance(part, TextPart)]
-        items = [part for part in parts if not isinstance(part, TextPart)]
+        media = [_media_item(part, kinds, f"messages[{index}]") for part in parts if not isinstance(part, TextPart)]
         if message.role in ("system", "developer"):
-            if items:
+            if media:
                 raise APIError(400, f"messages[{index}] ({message.role}) carries media; put media in user messages",
                                param=f"messages[{index}].content")
             system_texts.append("\n".join(texts))
             continue
-        user_texts.append(_with_placeholders("\n".join(texts), len(items), model.placeholders(), index))
-        media.extend(_fetch(part, kinds, policy, f"messages[{index}]") for part in _checked_count(
-            items, len(media), policy))
+        user_texts.append(_with_placeholders("\n".join(texts), len(media), model.placeholders(), index))
+        items.extend(media)
     if not user_texts:
         raise APIError(400, "messages hold no user message; add one with role 'user'", param="messages")
+    if len(items) > policy.max_items:
+        raise APIError(400, f"the request carries {len(items)} media items, more than {policy.max_items} (option "
+                            "media_max_items); send fewer", param="messages", code="too_many_media")
+    _check_text_size([*system_texts, *user_texts])
+    params = sampling_params(body, model.engine.limits.max_output_len)
+    media = await fetch_all(items, fetcher)
     return PipelineRequest(text="\n".join(user_texts), media=(media[0] if len(media) == 1 else media or None),
-                           params=sampling_params(body, model.engine.limits.max_output_len),
-                           system=_system_prompt(system_texts, model.engine.template.system))
+                           params=params, system=_system_prompt(system_texts, model.engine.template.system))
 
 
-def _checked_count(items: list, already: int, policy: MediaPolicy) -> list:
-    if already + len(items) > policy.max_items:
-        raise APIError(400, f"the request carries more than {policy.max_items} media items (option media_max_items); "
-                            "send fewer", param="messages", code="too_many_media")
-    return items
+def _check_text_size(texts: list[str]) -> None:
+    size = sum(len(text.encode()) for text in texts)
+    if size > MAX_TEXT_BYTES:
+        raise APIError(413, f"the messages hold {size} bytes of text, over this server's cap of {MAX_TEXT_BYTES}; "
+                            "no model here takes a prompt that long", param="messages", code="request_too_large")
 
 
 def _with_placeholders(text: str, count: int, placeholders: tuple[str, ...], index: int) -> str:
@@ -115,7 +136,7 @@ def _with_placeholders(text: str, count: int, placeholders: tuple[str, ...], ind
     return text
 
 
-def _fetch(part: ImagePart | VideoPart | AudioPart, kinds: dict[str, str], policy: MediaPolicy, where: str) -> bytes:
+def _media_item(part: ImagePart | VideoPart | AudioPart, kinds: dict[str, str], where: str) -> MediaItem:
     if part.type not in kinds:
         takes = " or ".join(sorted(kinds)) or "no media"
         raise APIError(400, f"{where} has a {part.type} part, but this model takes {takes}",
@@ -125,13 +146,27 @@ def _fetch(part: ImagePart | VideoPart | AudioPart, kinds: dict[str, str], polic
     else:
         ref = part.image_url if isinstance(part, ImagePart) else part.video_url
         source = ref if isinstance(ref, str) else ref.url
+    return MediaItem(where, source, kinds[part.type])
+
+
+async def fetch_all(items: list[MediaItem], fetcher: MediaFetcher) -> list[bytes]:
+    """The items' bytes, fetched and checked at once; the first failure (an APIError naming its part) cancels the
+    rest."""
+    async def fetch(item: MediaItem) -> bytes:
+        try:
+            data, _ = await fetcher.load_checked(item.source, item.kind)
+        except MediaError as error:
+            mapped = api_error(error)
+            mapped.param = f"{item.where}.content"
+            raise mapped from None
+        return data
+
+    tasks = [asyncio.ensure_future(fetch(item)) for item in items]
     try:
-        data, _ = load_checked(source, kinds[part.type], policy)
-    except MediaError as error:
-        mapped = api_error(error)
-        mapped.param = f"{where}.content"
-        raise mapped from None
-    return data
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _system_prompt(texts: list[str], default: str) -> str | None:
