@@ -134,7 +134,7 @@ def read_media_bytes(source: MediaBytesSource, policy: MediaPolicy) -> bytes:
     elif isinstance(source, str) and source.startswith("data:"):
         data = _decode_data_url(source, policy)
     elif _is_http_url(source):
-        data = fetch_url(source, policy)
+        return fetch_url(source, policy)
     elif isinstance(source, str) and "://" in source[:12] and not source.startswith("file://"):
         raise MediaNotAllowedError(
             f"media URL {describe_source(source)} has an unsupported scheme; use http(s)://, data: or file://"
@@ -145,6 +145,11 @@ def read_media_bytes(source: MediaBytesSource, policy: MediaPolicy) -> bytes:
         raise MediaError(
             f"cannot read media from a {type(source).__name__}; give a path, URL, data: URL or bytes"
         )
+    return _checked_bytes(data, policy, source)
+
+
+def _checked_bytes(data: bytes, policy: MediaPolicy, source: object) -> bytes:
+    """`data`, unless it is empty or over the byte cap."""
     _check_size(len(data), policy, source)
     if not data:
         raise MediaError(f"media {describe_source(source)} is empty (0 bytes); send a non-empty file")
@@ -411,7 +416,7 @@ async def _read_body(response: aiohttp.ClientResponse, progress: _Progress, poli
         progress.received += len(chunk)
         _check_size(progress.received, policy, progress.url)
         chunks.append(chunk)
-    return b"".join(chunks)
+    return _checked_bytes(b"".join(chunks), policy, progress.url)
 
 
 def _client_error(error: aiohttp.ClientError, url: str) -> MediaError:

@@ -10,6 +10,7 @@ from exporter.media_safety import MediaError, MediaPolicy, load_checked, read_me
 from exporter.perception.audio_io import AudioLoadError, load_audio
 from exporter.perception.image_preprocess import ImageLoadError, ImagePreprocessor
 from exporter.perception.video import VideoLoadError, read_frames
+from media_host import MediaHost
 from vlm_fixtures import build_vlm, tokenizer_file
 
 PREPROCESSOR = ImagePreprocessor(resize={"shortest_edge": 8}, crop_size={"height": 8, "width": 8},
@@ -63,6 +64,9 @@ def test_fetched_media(source, tmp_path):
     with pytest.raises(MediaError) as refused:
         load_checked(str(tmp_path / "empty.png"), "image", MediaPolicy(local_dir=str(tmp_path)))
     _short(refused, "empty (0 bytes)", "empty.png")
+    with MediaHost({"empty.png": b""}) as host, pytest.raises(MediaError) as refused:
+        read_media_bytes(host.url + "/empty.png", MediaPolicy(allow_private_networks=True))
+    _short(refused, "empty (0 bytes)", "/empty.png")
 
 
 def test_zero_size_media_through_the_pipeline(tmp_path):
