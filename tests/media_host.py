@@ -4,7 +4,7 @@ Routes: `/<name>` a file (from `files`, else `folder`); `/missing` 404; `/big` a
 (with and without `Content-Length`); `/redirect?to=URL` a 302 to URL (without `to`: to itself, a loop);
 `/slow-redirect?hops=N` N redirects that each take `slow_hop_s`, then to `/image.png`; `/trickle-headers` a status line and then one
 header byte every `trickle_s`, never ending the headers; `/trickle-body` headers for 1 MB, then one body byte every
-`trickle_s`. `peak` is the most trickling requests held at once.
+`trickle_s`. `held` is the number of trickling requests held now, `peak` the most at once.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class MediaHost:
                  slow_hop_s: float = 0.6):
         self.files, self.folder = dict(files or {}), folder
         self.trickle_s, self.slow_hop_s = trickle_s, slow_hop_s
-        self.peak = self._held = 0
+        self.peak = self.held = 0
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._httpd = _Server(("127.0.0.1", 0), _handler(self))
@@ -40,8 +40,8 @@ class MediaHost:
     def trickle(self, write_byte) -> None:
         """Write a byte every `trickle_s` until the client leaves or the host closes, counted in `peak`."""
         with self._lock:
-            self._held += 1
-            self.peak = max(self.peak, self._held)
+            self.held += 1
+            self.peak = max(self.peak, self.held)
         try:
             while not self._stopping.wait(self.trickle_s):
                 write_byte()
@@ -49,7 +49,7 @@ class MediaHost:
             pass  # the client went away
         finally:
             with self._lock:
-                self._held -= 1
+                self.held -= 1
 
     def close(self) -> None:
         self._stopping.set()

@@ -5,13 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from exporter import TensorRTMMExporter
 from exporter.media_safety import MediaError, MediaPolicy, load_checked, read_media_bytes
 from exporter.perception.audio_io import AudioLoadError, load_audio
 from exporter.perception.image_preprocess import ImageLoadError, ImagePreprocessor
 from exporter.perception.video import VideoLoadError, read_frames
 from media_host import MediaHost
-from vlm_fixtures import build_vlm, tokenizer_file
+from test_openai_api import tiny_neva
 
 PREPROCESSOR = ImagePreprocessor(resize={"shortest_edge": 8}, crop_size={"height": 8, "width": 8},
                                  image_mean=(0.5,) * 3, image_std=(0.5,) * 3)
@@ -72,10 +71,7 @@ def test_fetched_media(source, tmp_path):
 def test_zero_size_media_through_the_pipeline(tmp_path):
     """`forward` with NeMo's uint8 media of zero size: the request is refused with the loader's short error, and
     the next request is answered."""
-    vlm = build_vlm(tmp_path / "ckpt", tokenizer_file(tmp_path))
-    exporter = TensorRTMMExporter(tmp_path / "engine", device="cpu")
-    exporter.export(vlm.nemo, model_type="neva", dtype="float32", max_batch_size=2, max_input_len=200,
-                    max_output_len=2, max_multimodal_len=2 * 16)
+    exporter = tiny_neva(tmp_path, max_output_len=2)
     for empty in (np.zeros((0, 0, 3), np.uint8), np.zeros((1, 0, 0, 3), np.uint8)[0]):
         with pytest.raises(ImageLoadError) as refused:
             exporter.forward("What is this?", empty, max_output_len=2)

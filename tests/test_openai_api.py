@@ -17,6 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -119,13 +120,18 @@ def demo(triton_demo):  # noqa: F811 - the imported fixture
 @pytest.fixture(scope="module")
 def babbler(tmp_path_factory):
     """(exporter, OpenAI base URL, image) of a tiny random Neva that rarely says EOS."""
-    folder = tmp_path_factory.mktemp("babbler")
-    vlm = build_vlm(folder / "ckpt", tokenizer_file(folder))
-    exporter = TensorRTMMExporter(folder / "engine", device="cpu")
-    exporter.export(vlm.nemo, model_type="neva", dtype="float32", max_batch_size=4, max_input_len=200,
-                    max_output_len=BABBLE_MAX_OUTPUT, max_multimodal_len=4 * 16)
+    exporter = tiny_neva(tmp_path_factory.mktemp("babbler"), BABBLE_MAX_OUTPUT, max_batch_size=4)
     with serving(create_app(exporter, "babbler")) as url:
         yield exporter, url, random_image(3)
+
+
+def tiny_neva(folder: Path, max_output_len: int, max_batch_size: int = 2) -> TensorRTMMExporter:
+    """A tiny random Neva (16 features per image, prompts up to 200 tokens) exported in-process for the CPU."""
+    vlm = build_vlm(folder / "ckpt", tokenizer_file(folder))
+    exporter = TensorRTMMExporter(folder / "engine", device="cpu")
+    exporter.export(vlm.nemo, model_type="neva", dtype="float32", max_batch_size=max_batch_size, max_input_len=200,
+                    max_output_len=max_output_len, max_multimodal_len=max_batch_size * 16)
+    return exporter
 
 
 def png_bytes(image: Image.Image) -> bytes:
