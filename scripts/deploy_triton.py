@@ -95,8 +95,10 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     (None, "--openai_port", int, None, None, "port of an OpenAI-compatible HTTP API (/v1/chat/completions)"),
     (None, "--openai_address", str, None, None, "address the OpenAI API listens on (default: --triton_http_address)"),
     (None, "--openai_max_request_bytes", int, None, None,
-     "bytes of one OpenAI request body (default: room for media_max_items media as base64, plus 1 MiB)"),
-    (None, "--media_timeout_s", float, None, 10.0, "total time to fetch one media URL"),
+     "bytes of one OpenAI request body (default: what the media caps allow, media_max_items x media_max_bytes "
+     "as base64, plus 1 MiB of text and 64 KiB)"),
+    (None, "--media_timeout_s", float, None, 10.0,
+     "one deadline per media URL: connecting, headers, body and every redirect"),
     (None, "--media_max_bytes", int, None, 20 * 1024 * 1024, "bytes of one media item"),
     (None, "--media_max_image_pixels", int, None, 40_000_000, "width x height of one image"),
     (None, "--media_max_video_frames", int, None, 20_000, "frames of one video"),
@@ -296,8 +298,7 @@ def start_openai_server(settings: argparse.Namespace, exporter):
     """The OpenAI-compatible API over `exporter`, listening (None without --openai_port)."""
     if settings.openai_port is None:
         return None
-    from deploy.openai_api import create_app
-    from deploy.openai_server import OpenAIServer
+    from deploy.openai import OpenAIServer, create_app
 
     app = create_app(exporter, settings.triton_model_name, media_policy(settings), settings.openai_max_request_bytes)
     server = OpenAIServer(app, host=settings.openai_address or settings.triton_http_address, port=settings.openai_port)

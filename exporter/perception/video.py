@@ -106,6 +106,8 @@ def read_frames(source: VideoSource, select: FrameSelector, limits: VideoLimits 
             f"unsupported video input {type(source).__name__}; pass a file path, the file's bytes, "
             "a uint8 frame array [T, H, W, 3] or an image"
         )
+    if isinstance(source, bytes) and not source:
+        raise VideoLoadError("the video is empty (0 bytes); send a video file")
     image = _open_image(source, name)
     if image is not None:
         return _pick(_image_frames(image, name, limits), select, name)
@@ -155,8 +157,10 @@ def _checked_array(frames: np.ndarray, name: str, limits: VideoLimits) -> np.nda
         raise VideoLoadError(f"video arrays must be uint8 RGB (0..255), got dtype {frames.dtype} for {name}")
     if frames.ndim == 3 and frames.shape[-1] == 3:  # one image
         frames = frames[np.newaxis]
-    if frames.ndim != 4 or frames.shape[-1] != 3 or 0 in frames.shape:
+    if frames.ndim != 4 or frames.shape[-1] != 3:
         raise VideoLoadError(f"video arrays must be RGB frames [T, H, W, 3] (or one image [H, W, 3]), got {name}")
+    if frames.size == 0:
+        raise VideoLoadError(f"the video array {name} is empty; send at least one frame of at least 1x1 pixels")
     _check_frame_count(frames.shape[0], name, limits)
     _check_pixels(frames.shape[2], frames.shape[1], name, limits)
     return frames
