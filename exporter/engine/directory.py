@@ -52,7 +52,7 @@ def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *, 
                   limits: EngineLimits | None = None, dtype: str = "bfloat16",
                   vision_tower_path: str | None = None, tokenizer_path: str | None = None,
                   export_onnx: bool = False, rename_keys: tuple[str, ...] = (),
-                  audio_frontend: str | None = None) -> dict[str, Any]:
+                  audio_frontend: str | None = None, video_frame_sampling: str | None = None) -> dict[str, Any]:
     """Read the checkpoint(s), build perception and LLM, write the engine directory; return the manifest."""
     kind = get_model_type(model_type)
     target = torch_dtype(dtype)
@@ -64,7 +64,8 @@ def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *, 
 
     encoder = kind.build_perception(config, weights, dtype=torch.float32 if target == torch.float32 else target,
                                     vision_tower_path=vision_tower_path, audio_frontend=audio_frontend)
-    perception_facts = kind.save_perception(encoder, model_dir / kind.perception_dir, config)
+    perception_facts = kind.save_perception(encoder, model_dir / kind.perception_dir, config,
+                                            video_frame_sampling=video_frame_sampling)
     limits.check_export(perception_facts["features_per_item"])
     if export_onnx:
         kind.export_onnx(encoder, model_dir / kind.perception_dir)
