@@ -86,11 +86,10 @@ class LitaSettings:
         return asdict(self)
 
 
-def check_frame_sampling(frame_sampling: str) -> str:
-    """``frame_sampling`` if it is one of ``FRAME_SAMPLINGS``; otherwise an error naming them."""
+def check_frame_sampling(frame_sampling: str) -> None:
+    """An error naming ``FRAME_SAMPLINGS`` unless ``frame_sampling`` is one of them."""
     if frame_sampling not in FRAME_SAMPLINGS:
         raise ValueError(f"unknown video_frame_sampling {frame_sampling!r}; use one of {', '.join(FRAME_SAMPLINGS)}")
-    return frame_sampling
 
 
 def lita_settings(model_config: Any, frame_sampling: str = TRAINING) -> LitaSettings:
