@@ -24,7 +24,7 @@ from deploy.triton_deployable import (
     split_request,
 )
 
-from .engine import Engine, EngineLimits, export_engine, load_engine, prepare_model_dir, read_manifest
+from .engine import Engine, EngineLimits, export_engine, load_engine, read_manifest
 from .llm.generate import SamplingParams
 from .media_safety import MediaPolicy
 from .models import get_model_type
@@ -43,17 +43,20 @@ class TensorRTMMExporter(ITritonDeployable):
 
     ``model_dir`` is the engine directory; with ``load_model=True`` an existing engine there is loaded at once.
     ``media_policy`` caps the media the model decodes (image pixels, video frames and duration, audio bytes and
-    duration); None keeps each model type's defaults.
+    duration); None keeps each model type's defaults. ``verify_engine``: check the engine files' sha256 at load
+    (None: when not verified in their current state before; sizes are always checked).
     """
 
     def __init__(self, model_dir: str | Path, load_model: bool = True, modality: str = "vision",
-                 device: str | None = None, media_policy: MediaPolicy | None = None):
+                 device: str | None = None, media_policy: MediaPolicy | None = None,
+                 verify_engine: bool | None = None):
         if modality not in MODALITIES:
             raise InvalidModalityError(f"modality must be one of {MODALITIES}, got {modality!r}")
         self.model_dir = Path(model_dir)
         self.modality = modality
         self.device = device or _default_device()
         self.media_policy = media_policy
+        self.verify_engine = verify_engine
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
         if load_model and (self.model_dir / "manifest.json").is_file():
@@ -109,8 +112,8 @@ class TensorRTMMExporter(ITritonDeployable):
         limits = EngineLimits(max_input_len=max_input_len, max_output_len=max_output_len,
                               max_batch_size=max_batch_size, max_multimodal_len=max_multimodal_len,
                               vision_max_batch_size=vision_max_batch_size)
-        prepare_model_dir(self.model_dir, delete_existing_files)
-        export_engine(self.model_dir, visual_checkpoint_path, model_type=model_type,
+        export_engine(self.model_dir, visual_checkpoint_path, delete_existing_files=delete_existing_files,
+                      model_type=model_type,
                       llm_checkpoint_path=llm_checkpoint_path, llm_model_type=llm_model_type, limits=limits,
                       dtype=dtype, vision_tower_path=vision_tower_path, tokenizer_path=tokenizer_path,
                       export_onnx=export_onnx, rename_keys=tuple(nemo_rename_key), audio_frontend=audio_frontend,
@@ -125,7 +128,8 @@ class TensorRTMMExporter(ITritonDeployable):
                                        f"not {self.modality!r}")
         if self.pipeline is not None:
             self.pipeline.close()
-        self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy)
+        self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy,
+                                  verify=self.verify_engine)
         self.pipeline = Pipeline(self.engine)
 
     def forward(

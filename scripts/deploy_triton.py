@@ -111,7 +111,7 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
 OPTIONAL_VALUE = {"use_lora_plugin": "auto"}  # given alone, the flag takes this value
 FLAG_OPTIONS = ("streaming", "media_allow_private_networks")
 DEFAULTS = {long[2:]: default for _, long, _, _, default, _ in OPTIONS} | {"lora_target_modules": None}
-DEFAULTS |= {name: False for name in FLAG_OPTIONS}
+DEFAULTS |= {name: False for name in FLAG_OPTIONS} | {"verify_engine": None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +137,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="also serve <triton_model_name>_stream, a decoupled model that streams the answer as it is generated",
+    )
+    parser.add_argument(
+        "--verify_engine",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="check the sha256 of every engine file at load (default: when the files were not verified in their "
+        "current state before; sizes are always checked)",
     )
     parser.add_argument(
         "--media_allow_private_networks",
@@ -187,6 +194,8 @@ def _validate(settings: dict) -> None:
             settings[long[2:]] = value = float(value)  # a YAML config may write 10 for 10.0
         if value is not None and not isinstance(value, kind):
             raise ValueError(f"{long} must be {kind.__name__}, got {value!r}")
+    if settings["verify_engine"] not in (None, True, False):
+        raise ValueError(f"verify_engine must be true or false, got {settings['verify_engine']!r}")
     for value in settings["lora_target_modules"] or ():
         if value not in LORA_TARGET_MODULES:
             raise ValueError(
@@ -219,9 +228,7 @@ def build_deployable(settings: argparse.Namespace):
     """The exporter loaded from the repository, or after exporting the checkpoint into it."""
     exporting = settings.visual_checkpoint is not None
     repository = Path(settings.triton_model_repository)
-    if exporting:
-        repository.mkdir(parents=True, exist_ok=True)
-    else:
+    if not exporting:
         check_model_repository(repository)
     try:
         from exporter import TensorRTMMExporter
@@ -232,7 +239,7 @@ def build_deployable(settings: argparse.Namespace):
     try:
         exporter = TensorRTMMExporter(
             model_dir=str(repository), load_model=not exporting, modality=settings.modality,
-            media_policy=media_policy(settings), **extra
+            media_policy=media_policy(settings), verify_engine=settings.verify_engine, **extra
         )
         if exporting:
             step = "the export"

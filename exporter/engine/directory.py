@@ -9,9 +9,7 @@ Layout (docs/engine_format.md)::
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -28,16 +26,14 @@ from ..lora import merge_lora
 from ..media_safety import MediaPolicy
 from ..models import Perception, get_model_type
 from ..models.templates import ChatTemplate
+from .atomic import install, previous_engine, staging_folder
+from .errors import EngineError
+from .integrity import MANIFEST, check_files, describe_files, mark_verified, sha256_file
 from .limits import EngineLimits
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+FORMAT_VERSION = 2
 LLM_DIR = "llm_engine"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class EngineError(RuntimeError):
-    """The engine directory is missing, incomplete or of another format version."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -47,17 +43,33 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *, model_type: str = "neva",
+def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *,
+                  delete_existing_files: bool = True, **options: Any) -> dict[str, Any]:
+    """Read the checkpoint(s), build perception and LLM, write the engine directory; return the manifest.
+
+    Atomic (`exporter.engine.atomic`): the engine is built and validated beside the previous one, which it then
+    replaces; a failure leaves `model_dir` as it was. `options` are `_write_engine`'s.
+    """
+    model_dir = Path(model_dir)
+    previous = previous_engine(model_dir, delete_existing_files)
+    with staging_folder(model_dir) as staging:
+        manifest = _write_engine(staging, visual_checkpoint_path, **options)
+        check_files(staging, manifest, verify=False)  # every file listed, of its size, safetensors readable
+        mark_verified(staging, manifest["files"])  # the hashes were just taken from these files
+        install(staging, model_dir, previous)
+    return manifest
+
+
+def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_type: str = "neva",
                   llm_checkpoint_path: str | Path | None = None, llm_model_type: str = "llama",
                   limits: EngineLimits | None = None, dtype: str = "bfloat16",
                   vision_tower_path: str | None = None, tokenizer_path: str | None = None,
                   export_onnx: bool = False, rename_keys: tuple[str, ...] = (),
                   audio_frontend: str | None = None, video_frame_sampling: str | None = None) -> dict[str, Any]:
-    """Read the checkpoint(s), build perception and LLM, write the engine directory; return the manifest."""
+    """Write a new engine into the empty folder `model_dir`; return its manifest."""
     kind = get_model_type(model_type)
     target = torch_dtype(dtype)
     limits = limits or EngineLimits()
-    model_dir = Path(model_dir)
     checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
     config = checkpoint.config
     weights = checkpoint.state_dict()
@@ -97,6 +109,7 @@ def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *, 
         "features_per_item": perception_facts["features_per_item"],
         "source": _describe_source(visual_checkpoint_path, llm_checkpoint_path),
         "package_version": _package_version(),
+        "files": describe_files(model_dir),
     }
     (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
@@ -115,17 +128,8 @@ def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tens
 
 
 def _describe_source(*paths: str | Path | None) -> list[dict[str, str]]:
-    return [{"name": Path(p).name, "sha256": _sha256(Path(p))} for p in paths if p is not None]
-
-
-def _sha256(path: Path) -> str:
-    if path.is_dir():
-        return "directory"
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return [{"name": Path(p).name, "sha256": "directory" if Path(p).is_dir() else sha256_file(Path(p))}
+            for p in paths if p is not None]
 
 
 def _package_version() -> str:
@@ -160,18 +164,27 @@ def read_manifest(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / MANIFEST
     if not path.is_file():
         raise EngineError(f"{model_dir} is not an engine directory (no {MANIFEST}); export a checkpoint into it first")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise EngineError(f"{path} has format version {manifest.get('format_version')}, this package reads "
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise EngineError(f"{MANIFEST} of {model_dir} is unreadable ({err}); export the checkpoint again") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise EngineError(f"{path} has format version {version}, this package reads "
                           f"{FORMAT_VERSION}; export the checkpoint again")
     return manifest
 
 
 def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = None,
-                media: MediaPolicy | None = None) -> Engine:
-    """Load an exported engine directory (no checkpoint, no network) onto ``device``; ``media`` caps decoding."""
+                media: MediaPolicy | None = None, verify: bool | None = None) -> Engine:
+    """Load an exported engine directory (no checkpoint, no network) onto ``device``; ``media`` caps decoding.
+
+    File sizes are always checked; sha256 hashes when ``verify`` (None: when the files were not verified in their
+    current state before, see `exporter.engine.integrity`). A bad file is an EngineError naming it.
+    """
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
+    check_files(model_dir, manifest, verify)
     kind = get_model_type(manifest["model_type"])
     target = torch_dtype(dtype or manifest["dtype"])
     llm_dir = model_dir / LLM_DIR
@@ -183,15 +196,3 @@ def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = 
     perception = kind.load_perception(model_dir / kind.perception_dir, device=device, dtype=target,
                                       media=media)
     return Engine(manifest, EngineLimits(**manifest["limits"]), decoder, tokenizer, template, perception)
-
-
-def prepare_model_dir(model_dir: str | Path, delete_existing_files: bool) -> Path:
-    """Create ``model_dir``; clear it when asked, refuse a non-empty one otherwise (NeMo's behaviour)."""
-    model_dir = Path(model_dir)
-    if model_dir.exists() and any(model_dir.iterdir()):
-        if not delete_existing_files:
-            raise EngineError(f"There are files in this folder ({model_dir}). Try setting delete_existing_files=True.")
-        for entry in model_dir.iterdir():
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-    model_dir.mkdir(parents=True, exist_ok=True)
-    return model_dir
