@@ -88,11 +88,14 @@ class TensorRTMMExporter(ITritonDeployable):
         export_onnx: bool = False,
         nemo_rename_key: Sequence[str] = (),
         audio_frontend: str | None = None,
+        video_frame_sampling: str | None = None,
     ) -> None:
         """Write the engine directory (NeMo's arguments; the keyword-only ones are this package's).
 
         ``audio_frontend`` (SALM): ``"nemo-2.4"`` or ``"nemo-2.5"``, the NeMo release whose audio front end the
         checkpoint was trained with (see docs/fidelity.md); default the checkpoint's declaration, else ``"nemo-2.5"``.
+        ``video_frame_sampling`` (LITA/VITA): ``"training"`` (default) samples frames as NeMo trained the model,
+        ``"nemo-export"`` as NeMo's TensorRT export runtime did (see docs/fidelity.md).
         """
         kind = get_model_type(model_type)
         if kind.modality != self.modality:
@@ -113,7 +116,8 @@ class TensorRTMMExporter(ITritonDeployable):
                       model_type=model_type,
                       llm_checkpoint_path=llm_checkpoint_path, llm_model_type=llm_model_type, limits=limits,
                       dtype=dtype, vision_tower_path=vision_tower_path, tokenizer_path=tokenizer_path,
-                      export_onnx=export_onnx, rename_keys=tuple(nemo_rename_key), audio_frontend=audio_frontend)
+                      export_onnx=export_onnx, rename_keys=tuple(nemo_rename_key), audio_frontend=audio_frontend,
+                      video_frame_sampling=video_frame_sampling)
         if load_model:
             self._load()
 

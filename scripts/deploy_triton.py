@@ -92,6 +92,8 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     (None, "--tokenizer_path", str, None, None, "local tokenizer, if not in the checkpoint"),
     (None, "--audio_frontend", str, ("nemo-2.4", "nemo-2.5"), None,
      "SALM: the NeMo release whose audio front end the checkpoint was trained with (default: its declaration, else nemo-2.5)"),
+    (None, "--video_frame_sampling", str, ("training", "nemo-export"), None,
+     "LITA/VITA: sample video frames as the model was trained (default) or as NeMo's TensorRT export runtime did"),
     (None, "--openai_port", int, None, None, "port of an OpenAI-compatible HTTP API (/v1/chat/completions)"),
     (None, "--openai_address", str, None, None, "address the OpenAI API listens on (default: --triton_http_address)"),
     (None, "--openai_max_request_bytes", int, None, None,
@@ -269,7 +271,7 @@ def _export_arguments(settings: argparse.Namespace) -> dict:
         "max_lora_rank": settings.max_lora_rank,
         "lora_checkpoint_path": settings.lora_checkpoint_path,
     }
-    for name in ("vision_tower_path", "tokenizer_path", "audio_frontend"):
+    for name in ("vision_tower_path", "tokenizer_path", "audio_frontend", "video_frame_sampling"):
         if getattr(settings, name) is not None:
             arguments[name] = getattr(settings, name)
     return arguments

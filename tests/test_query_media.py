@@ -110,15 +110,6 @@ def test_url_from_inside_an_event_loop(http_url):
     np.testing.assert_array_equal(asyncio.run(caller()), _pixels(1))
 
 
-def test_subsample_frames_follows_nemo_rule():
-    frames = np.arange(600)
-    kept = media_io.subsample_frames(frames)
-    # ceil(600 / 256) = 3 -> round(600 / 3) = 200 frames spread over the whole clip
-    assert len(kept) == 200 and kept[0] == 0 and kept[-1] == 599
-    assert np.all(np.diff(kept) >= 2)
-    assert len(media_io.subsample_frames(np.arange(256))) == 256
-
-
 def test_video_frames_decoded(tmp_path):
     import av
 
@@ -156,7 +147,7 @@ def test_media_goes_on_the_wire_encoded_by_default(png_file):
 
 def test_video_and_audio_wire_forms(tmp_path):
     video = NemoQueryMultimodal("localhost", "m", "lita")._media_inputs(np.zeros((300, 4, 4, 3), np.uint8))
-    assert video["input_media"].shape == (150, 4, 4, 3)
+    assert video["input_media"].shape == (300, 4, 4, 3)  # every frame: the server samples them as trained
     (tmp_path / "a.wav").write_bytes(b"RIFF....")
     audio = NemoQueryMultimodal("localhost", "m", "salm")._media_inputs(str(tmp_path / "a.wav"))
     assert audio["input_media_bytes"][0] == b"RIFF...."

@@ -65,7 +65,7 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
                   limits: EngineLimits | None = None, dtype: str = "bfloat16",
                   vision_tower_path: str | None = None, tokenizer_path: str | None = None,
                   export_onnx: bool = False, rename_keys: tuple[str, ...] = (),
-                  audio_frontend: str | None = None) -> dict[str, Any]:
+                  audio_frontend: str | None = None, video_frame_sampling: str | None = None) -> dict[str, Any]:
     """Write a new engine into the empty folder `model_dir`; return its manifest."""
     kind = get_model_type(model_type)
     target = torch_dtype(dtype)
@@ -76,7 +76,8 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
 
     encoder = kind.build_perception(config, weights, dtype=torch.float32 if target == torch.float32 else target,
                                     vision_tower_path=vision_tower_path, audio_frontend=audio_frontend)
-    perception_facts = kind.save_perception(encoder, model_dir / kind.perception_dir, config)
+    perception_facts = kind.save_perception(encoder, model_dir / kind.perception_dir, config,
+                                            video_frame_sampling=video_frame_sampling)
     limits.check_export(perception_facts["features_per_item"])
     if export_onnx:
         kind.export_onnx(encoder, model_dir / kind.perception_dir)
