@@ -66,7 +66,8 @@ class MediaPolicy:
     """Limits on fetching and decoding media; the defaults suit a public server.
 
     `allowed_domains` None allows any host, a tuple only those hosts and their subdomains (an empty tuple: no
-    URLs). `local_dir` None forbids local files. Sizes are per media item. `timeout_s` is one deadline per URL
+    URLs). `local_dir` None forbids local files. Sizes are per media item, but `max_request_bytes`, the media bytes of
+    one request together. `timeout_s` is one deadline per URL
     (redirects included); `max_fetches` and `max_fetches_per_host` bound the URLs one `MediaFetcher` fetches at once.
     """
 
@@ -79,6 +80,7 @@ class MediaPolicy:
     max_frame_pixels: int = DEFAULT_MAX_FRAME_PIXELS
     max_audio_duration_s: float = 600.0
     max_items: int = 8
+    max_request_bytes: int = 32 * 1024 * 1024
     max_redirects: int = 3
     max_fetches: int = 128
     max_fetches_per_host: int = 16
@@ -88,7 +90,8 @@ class MediaPolicy:
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "max_bytes", "max_image_pixels", "max_video_frames", "max_video_duration_s",
-                     "max_frame_pixels", "max_audio_duration_s", "max_items", "max_fetches", "max_fetches_per_host"):
+                     "max_frame_pixels", "max_audio_duration_s", "max_items", "max_request_bytes", "max_fetches",
+                     "max_fetches_per_host"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"MediaPolicy.{name} must be a positive number, got {value!r}")

@@ -97,8 +97,8 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     (None, "--openai_port", int, None, None, "port of an OpenAI-compatible HTTP API (/v1/chat/completions)"),
     (None, "--openai_address", str, None, None, "address the OpenAI API listens on (default: --triton_http_address)"),
     (None, "--openai_max_request_bytes", int, None, None,
-     "bytes of one OpenAI request body (default: what the media caps allow, media_max_items x media_max_bytes "
-     "as base64, plus 1 MiB of text and 64 KiB)"),
+     "bytes of one OpenAI request body (default: what the media caps allow, media_max_request_bytes (or "
+     "media_max_items x media_max_bytes if smaller) as base64, plus 1 MiB of text and 64 KiB: about 44 MB)"),
     (None, "--media_timeout_s", float, None, 10.0,
      "one deadline per media URL: connecting, headers, body and every redirect"),
     (None, "--media_max_bytes", int, None, 20 * 1024 * 1024, "bytes of one media item"),
@@ -107,6 +107,7 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     (None, "--media_max_video_duration_s", float, None, 3600.0, "seconds of one video"),
     (None, "--media_max_audio_duration_s", float, None, 600.0, "seconds of one audio clip"),
     (None, "--media_max_items", int, None, 8, "media items in one OpenAI request"),
+    (None, "--media_max_request_bytes", int, None, 32 * 1024 * 1024, "bytes of all media of one OpenAI request"),
     (None, "--media_allowed_domains", str, None, None, "comma-separated hosts media URLs may come from (default: any)"),
     (None, "--media_local_dir", str, None, None, "folder media file:// URLs may be read from (default: none)"),
 )
@@ -290,6 +291,7 @@ def media_policy(settings: argparse.Namespace):
         max_video_duration_s=settings.media_max_video_duration_s,
         max_audio_duration_s=settings.media_max_audio_duration_s,
         max_items=settings.media_max_items,
+        max_request_bytes=settings.media_max_request_bytes,
         allowed_domains=None if domains is None else tuple(d for d in domains.split(",") if d.strip()),
         allow_private_networks=bool(settings.media_allow_private_networks),
         local_dir=settings.media_local_dir,

@@ -136,7 +136,7 @@ def test_body_cap_follows_the_media_caps_and_text_is_capped(tiny):
     policy = MediaPolicy(max_items=1, max_bytes=len(png))
     cap = default_max_request_bytes(policy)
     assert cap == len(png) * 4 // 3 + MAX_TEXT_BYTES + 65536
-    assert default_max_request_bytes(MediaPolicy()) < 8 * 20 * 2**20 * 4 // 3 + 2 * 2**20  # the defaults: ~215 MiB
+    assert default_max_request_bytes(MediaPolicy()) < 32 * 2**20 * 4 // 3 + 2 * 2**20  # the defaults: ~44 MiB
     with serving(create_app_for(exporter, policy)) as url:
         most = _ask(data_url(png))
         most["messages"][0]["content"].append({"type": "text", "text": "x" * (MAX_TEXT_BYTES - 100)})
@@ -146,3 +146,13 @@ def test_body_cap_follows_the_media_caps_and_text_is_capped(tiny):
         assert_error_object(*post(url + "/chat/completions", most), 413, "bytes of text", str(MAX_TEXT_BYTES))
         most["messages"][0]["content"][-1]["text"] += "x" * 70_000
         assert_error_object(*post(url + "/chat/completions", most), 413, "openai_max_request_bytes")
+
+
+def test_media_of_one_request_are_capped_together(tiny):
+    exporter, png = tiny
+    policy = MediaPolicy(max_items=2, max_bytes=len(png), max_request_bytes=len(png) + 1)
+    with serving(create_app_for(exporter, policy)) as url:
+        two = _ask(data_url(png))
+        two["messages"][0]["content"].append({"type": "image_url", "image_url": {"url": data_url(png)}})
+        assert_error_object(*post(url + "/chat/completions", two), 413, "media_max_request_bytes",
+                            str(2 * len(png)))

@@ -151,9 +151,10 @@ def _replay(messages: list[dict], then=None):
 
 
 def default_max_request_bytes(policy: MediaPolicy) -> int:
-    """What the policy's media allow in one body (`max_items` × `max_bytes` as base64) plus the text cap and 64 KiB
-    for the JSON around them."""
-    return policy.max_items * policy.max_bytes * 4 // 3 + MAX_TEXT_BYTES + (64 << 10)
+    """What the policy's media allow in one body (`max_request_bytes`, or `max_items` × `max_bytes` if smaller, as
+    base64) plus the text cap and 64 KiB for the JSON around them."""
+    media = min(policy.max_request_bytes, policy.max_items * policy.max_bytes)
+    return media * 4 // 3 + MAX_TEXT_BYTES + (64 << 10)
 
 
 async def _chat_body(request: Request) -> ChatCompletionRequest:

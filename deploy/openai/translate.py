@@ -163,10 +163,16 @@ async def fetch_all(items: list[MediaItem], fetcher: MediaFetcher) -> list[bytes
 
     tasks = [asyncio.ensure_future(fetch(item)) for item in items]
     try:
-        return list(await asyncio.gather(*tasks))
+        media = list(await asyncio.gather(*tasks))
     finally:
         for task in tasks:
             task.cancel()
+    total, cap = sum(len(data) for data in media), fetcher.policy.max_request_bytes
+    if total > cap:
+        raise APIError(413, f"the request's media hold {total} bytes together, over the cap of {cap} (option "
+                            "media_max_request_bytes); send fewer or smaller media", param="messages",
+                       code="request_too_large")
+    return media
 
 
 def _system_prompt(texts: list[str], default: str) -> str | None:
