@@ -43,16 +43,17 @@ def route(logits: Tensor, topk: int, pre_softmax: bool, score_function: str = "s
 
 
 def expert_mlp(x: Tensor, fc1: Tensor, fc2: Tensor, weights: Tensor, experts: Tensor,
-               activate: Callable[[Tensor], Tensor]) -> Tensor:
+               activate: Callable[[Tensor], Tensor], use_kernel: bool | None = None) -> Tensor:
     """`sum_j weights[:, j] * fc2[e_j] · activate(fc1[e_j] · x)` for tokens `x [N, H]` and routes `[N, k]`.
 
-    `activate` maps fc1's output `[M, R]` to `[M, F]`. Returns `[N, H]` in x's dtype.
+    `activate` maps fc1's output `[M, R]` to `[M, F]`. `use_kernel`: run the grouped Triton kernel (default: on
+    CUDA when Triton is there; on the CPU only under `TRITON_INTERPRET=1`). Returns `[N, H]` in x's dtype.
     """
     tokens, k = experts.shape
     flat = experts.flatten()
     order = flat.argsort(stable=True)  # (token, slot) pairs grouped by expert, in token order within a group
     sources = order // k
-    if x.is_cuda and moe_triton.available():
+    if x.is_cuda and moe_triton.available() if use_kernel is None else use_kernel:
         counts = torch.zeros(fc1.shape[0], dtype=torch.int32, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
         starts = counts.cumsum(0, dtype=torch.int32) - counts
