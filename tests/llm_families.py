@@ -31,7 +31,7 @@ from transformers import (
 
 from exporter.nemo_writer import fuse_qkv, hf_llama_to_nemo
 
-HIDDEN, HEADS, LAYERS, FFN, EXPERTS = 64, 4, 2, 96, 4
+HIDDEN, HEADS, LAYERS, FFN, EXPERTS, MAX_POSITIONS = 64, 4, 2, 96, 4, 512
 
 
 @dataclass
@@ -61,7 +61,7 @@ def randomize_(model: torch.nn.Module, seed: int, norm_center: float = 1.0) -> t
 
 
 def _base_config(hf: torch.nn.Module, **fields) -> dict:
-    return {"num_layers": LAYERS, "hidden_size": HIDDEN, "num_attention_heads": HEADS, "max_position_embeddings": 128,
+    return {"num_layers": LAYERS, "hidden_size": HIDDEN, "num_attention_heads": HEADS, "max_position_embeddings": MAX_POSITIONS,
             "layernorm_epsilon": 1e-5, "position_embedding_type": "rope",
             "rotary_base": hf.config.rope_parameters["rope_theta"], "share_embeddings_and_output_weights": False,
             **fields}
@@ -84,7 +84,7 @@ def mixtral(vocab: int = 384, seed: int = 0, groups: int = 2, topk: int = 2) -> 
     hf = randomize_(MixtralForCausalLM(MixtralConfig(
         vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=groups, num_local_experts=EXPERTS,
-        num_experts_per_tok=topk, rms_norm_eps=1e-5, max_position_embeddings=128, tie_word_embeddings=False,
+        num_experts_per_tok=topk, rms_norm_eps=1e-5, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, pad_token_id=0)), seed)
     sd = hf.state_dict()
     weights = hf_llama_to_nemo({k: v for k, v in sd.items() if ".mlp." not in k}, HEADS, groups)
@@ -103,7 +103,7 @@ def mixtral_pre_softmax(vocab: int = 384, seed: int = 0) -> Family:
         vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, moe_intermediate_size=FFN,
         shared_expert_intermediate_size=16, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
         num_key_value_heads=2, num_experts=EXPERTS, num_experts_per_tok=2, norm_topk_prob=False, qkv_bias=False,
-        rms_norm_eps=1e-5, max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        rms_norm_eps=1e-5, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
         pad_token_id=0)), seed)
     with torch.no_grad():
         for layer in hf.model.layers:
@@ -125,7 +125,7 @@ def gemma(vocab: int = 384, seed: int = 0, zero_centered: bool = False) -> Famil
     hf = randomize_(GemmaForCausalLM(GemmaConfig(
         vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=1, head_dim=32, hidden_act="gelu_pytorch_tanh",
-        rms_norm_eps=1e-6, max_position_embeddings=128, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        rms_norm_eps=1e-6, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
         pad_token_id=0)), seed, norm_center=0.0)
     sd = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     if not zero_centered:
@@ -151,7 +151,7 @@ def falcon(kind: str = "7b", vocab: int = 384, seed: int = 0) -> Family:
     options = FALCON_KINDS[kind]
     hf = randomize_(FalconForCausalLM(FalconConfig(
         vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, alibi=False,
-        max_position_embeddings=128, layer_norm_epsilon=1e-5, tie_word_embeddings=False, bos_token_id=1,
+        max_position_embeddings=MAX_POSITIONS, layer_norm_epsilon=1e-5, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=2, pad_token_id=0, **options)), seed)
     groups = hf.config.num_kv_heads if options["new_decoder_architecture"] else 1 if options.get("multi_query") else HEADS
     names = {"word_embeddings.": "embedding.word_embeddings.", "ln_f.": "decoder.final_layernorm.",
@@ -179,7 +179,7 @@ def falcon(kind: str = "7b", vocab: int = 384, seed: int = 0) -> Family:
 def starcoder(vocab: int = 384, seed: int = 0) -> Family:
     """StarCoder (GPTBigCode): MQA, learned absolute positions, LayerNorm, biases, fused bias-GELU (tanh)."""
     hf = randomize_(GPTBigCodeForCausalLM(GPTBigCodeConfig(
-        vocab_size=vocab, n_positions=128, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=FFN,
+        vocab_size=vocab, n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=FFN,
         activation_function="gelu_pytorch_tanh", multi_query=True, layer_norm_epsilon=1e-5,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)), seed)
     names = {"transformer.wte.": "embedding.word_embeddings.", "transformer.wpe.": "embedding.position_embeddings.",
@@ -195,7 +195,7 @@ def starcoder(vocab: int = 384, seed: int = 0) -> Family:
         weights[key] = value
     config = {"num_layers": LAYERS, "hidden_size": HIDDEN, "ffn_hidden_size": FFN, "num_attention_heads": HEADS,
               "num_query_groups": 1, "normalization": "layernorm", "activation": "gelu", "bias": True,
-              "position_embedding_type": "learned_absolute", "max_position_embeddings": 128,
+              "position_embedding_type": "learned_absolute", "max_position_embeddings": MAX_POSITIONS,
               "layernorm_epsilon": 1e-5, "share_embeddings_and_output_weights": False,
               "apply_query_key_layer_scaling": True}
     return Family(hf, config, weights)
@@ -207,7 +207,7 @@ def starcoder2(vocab: int = 384, seed: int = 0, window: int | None = None) -> Fa
     hf = randomize_(Starcoder2ForCausalLM(Starcoder2Config(
         vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=2, hidden_act="gelu_pytorch_tanh", norm_epsilon=1e-5,
-        max_position_embeddings=128, sliding_window=None if window is None else window + 1, use_bias=True,
+        max_position_embeddings=MAX_POSITIONS, sliding_window=None if window is None else window + 1, use_bias=True,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)), seed)
     sd, weights = hf.state_dict(), {}
     for key, value in sd.items():
@@ -232,7 +232,7 @@ def gpt_next(vocab: int = 384, seed: int = 0) -> Family:
     hf = randomize_(GPTNeoXForCausalLM(GPTNeoXConfig(
         vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, hidden_act="gelu", use_parallel_residual=False, layer_norm_eps=1e-5,
-        max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})), seed)
     names = {"gpt_neox.embed_in.": "embedding.word_embeddings.", "gpt_neox.final_layer_norm.": "decoder.final_layernorm.",
              "embed_out.": "output_layer.", "lm_head.": "output_layer.", "gpt_neox.layers.": "decoder.layers.",
@@ -245,8 +245,8 @@ def gpt_next(vocab: int = 384, seed: int = 0) -> Family:
         for old, new in names.items():
             key = key.replace(old, new)
         weights[key] = value - 1.0 if "layernorm.weight" in key else value
-    config = _base_config(hf, ffn_hidden_size=FFN, normalization="layernorm1p", activation="gelu", bias=True,
-                          bias_activation_fusion=False, rotary_percentage=0.5)
+    config = _base_config(hf, ffn_hidden_size=FFN, num_query_groups=None, normalization="layernorm1p",
+                          activation="gelu", bias=True, bias_activation_fusion=False, rotary_percentage=0.5)
     return Family(hf, config, weights)
 
 

@@ -225,3 +225,10 @@ def test_moe_on_gpu_bfloat16_stays_close_to_float32_and_graphs_capture():
     logits = [step.launch(4, 21 + t, ids[:, 20 + t].tolist(), [20 + t] * 4).logits.float().cpu() for t in range(4)]
     assert step.graph_count > 0
     assert relative_error(torch.stack(logits, 1), reference[:, 20:24]) < 2e-2
+
+
+def test_tensor_shapes_that_contradict_the_config_are_named():
+    family = mixtral()
+    config = DecoderConfig.from_nemo({**family.config, "num_query_groups": 4}, VOCAB)
+    with pytest.raises(ValueError, match=r"shapes do not match(.|\n)*linear_qkv.weight: \[128, 64\], the config gives"):
+        Decoder.from_state_dict(config, family.weights)

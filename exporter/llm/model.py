@@ -432,11 +432,17 @@ class Decoder(nn.Module):
         """Build on the meta device and take the given tensors as parameters (cast/moved only if asked)."""
         with torch.device("meta"):
             model = cls(config)
-        expected, given = set(model.state_dict()), set(state_dict)
+        shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+        expected, given = set(shapes), set(state_dict)
         if expected != given:
             raise ValueError(
                 _describe_key_mismatch(config, missing=expected - given, unexpected=given - expected)
             )
+        wrong = [f"{name}: {list(state_dict[name].shape)}, the config gives {list(shape)}"
+                 for name, shape in shapes.items() if tuple(state_dict[name].shape) != shape]
+        if wrong:
+            raise ValueError("tensor shapes do not match the model config (check num_query_groups, kv_channels, "
+                             "ffn_hidden_size, num_moe_experts):\n" + "\n".join(sorted(wrong)[:8]))
         weights = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
         model.load_state_dict(weights, strict=True, assign=True)
         return model.requires_grad_(False).eval()
