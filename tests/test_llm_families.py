@@ -184,13 +184,15 @@ from exporter.llm.moe import expert_mlp, route
 assert moe.moe_triton.available()
 torch.manual_seed(0)
 activate = lambda h: torch.nn.functional.silu(h[:, :24]) * h[:, 24:]
-for tokens, experts, topk in ((1, 4, 2), (5, 4, 2), (40, 8, 2), (7, 3, 3)):
+for tokens, experts, topk in ((1, 4, 2), (5, 4, 2), (40, 8, 2), (7, 3, 3), (70, 8, 2)):
     x, fc1, fc2 = torch.randn(tokens, 40), torch.randn(experts, 48, 40) / 6, torch.randn(experts, 40, 24) / 5
     weights, chosen = route(torch.randn(tokens, experts), topk, pre_softmax=tokens % 2 == 0)
     cpu = expert_mlp(x, fc1, fc2, weights, chosen, activate)
-    grouped = expert_mlp(x, fc1, fc2, weights, chosen, activate, use_kernel=True)
-    err = ((grouped - cpu).norm() / cpu.norm()).item()
-    assert err < 1e-6, (tokens, experts, topk, err)
+    # float32, and float16 (the interpreter cannot run bfloat16 products; the kernel treats both alike)
+    for dtype, tolerance in ((torch.float32, 1e-6), (torch.float16, 2e-3)):
+        grouped = expert_mlp(x.to(dtype), fc1.to(dtype), fc2.to(dtype), weights, chosen, activate, use_kernel=True)
+        err = ((grouped.float() - cpu).norm() / cpu.norm()).item()
+        assert grouped.dtype == dtype and err < tolerance, (tokens, experts, topk, dtype, err)
 print("ok")
 """
 
