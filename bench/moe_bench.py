@@ -17,16 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import torch
 
 from exporter.llm import moe_triton
 from exporter.llm.config import DecoderConfig
-from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, Router
-from exporter.runtime.scheduler import Scheduler
-from llava_bench import copy_bandwidth, kv_bytes_per_token, synchronize, timed
+from llava_bench import copy_bandwidth, kv_bytes_per_token, scheduler_decode, timed
 
 MIXTRAL = dict(hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8, head_dim=128,
                vocab_size=32000, num_moe_experts=8, moe_router_topk=2, rotary_base=1e6)
@@ -85,23 +82,8 @@ class ExpertCounter:
 
 def decode_ms(decoder: Decoder, batch: int, context: int, steps: int, graphs: bool) -> float:
     """Steady ms per decode step of `batch` requests with `context`-token prompts, through the scheduler."""
-    device = decoder.device
-    prompt = torch.randn(batch, context, decoder.config.hidden_size, device=device, dtype=decoder.dtype) * 0.02
-    scheduler = Scheduler(decoder, max_slots=batch, max_seq_len=context + steps + 1, eos_id=None,
-                          use_cuda_graphs=graphs)
-
-    def run() -> float:
-        handles = [scheduler.submit(prompt[i], [-1] * context, SamplingParams(max_output_len=steps))
-                   for i in range(batch)]
-        scheduler.step()  # admission: the prefill and the first steps
-        synchronize(device)
-        start = time.perf_counter()
-        while scheduler.step():
-            pass
-        synchronize(device)
-        assert all(len(h.result()) == steps for h in handles)
-        return (time.perf_counter() - start) * 1e3 / (steps - 2)
-
+    prompt = torch.randn(batch, context, decoder.config.hidden_size, device=decoder.device, dtype=decoder.dtype)
+    run = scheduler_decode(decoder, prompt * 0.02, steps, use_cuda_graphs=graphs)
     run()  # compiles, tunes and captures
     return sorted(run() for _ in range(3))[1]
 

@@ -32,6 +32,7 @@ from transformers import (
 from exporter.nemo_writer import fuse_qkv, hf_llama_to_nemo
 
 HIDDEN, HEADS, LAYERS, FFN, EXPERTS, MAX_POSITIONS = 64, 4, 2, 96, 4, 512
+TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
 
 
 @dataclass
@@ -61,10 +62,20 @@ def randomize_(model: torch.nn.Module, seed: int, norm_center: float = 1.0) -> t
 
 
 def _base_config(hf: torch.nn.Module, **fields) -> dict:
-    return {"num_layers": LAYERS, "hidden_size": HIDDEN, "num_attention_heads": HEADS, "max_position_embeddings": MAX_POSITIONS,
-            "layernorm_epsilon": 1e-5, "position_embedding_type": "rope",
+    return {"num_layers": LAYERS, "hidden_size": HIDDEN, "num_attention_heads": HEADS,
+            "max_position_embeddings": MAX_POSITIONS, "layernorm_epsilon": 1e-5, "position_embedding_type": "rope",
             "rotary_base": hf.config.rope_parameters["rope_theta"], "share_embeddings_and_output_weights": False,
             **fields}
+
+
+def _renamed(state_dict: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
+    """`state_dict` with every `old` part of each key replaced by its `new` (in `names`' order)."""
+    out = {}
+    for key, value in state_dict.items():
+        for old, new in names.items():
+            key = key.replace(old, new)
+        out[key] = value
+    return out
 
 
 def _moe_weights(sd: dict, prefix: str, layers: int) -> dict[str, torch.Tensor]:
@@ -84,8 +95,8 @@ def mixtral(vocab: int = 384, seed: int = 0, groups: int = 2, topk: int = 2) -> 
     hf = randomize_(MixtralForCausalLM(MixtralConfig(
         vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=groups, num_local_experts=EXPERTS,
-        num_experts_per_tok=topk, rms_norm_eps=1e-5, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0)), seed)
+        num_experts_per_tok=topk, rms_norm_eps=1e-5, max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=False, **TOKENS)), seed)
     sd = hf.state_dict()
     weights = hf_llama_to_nemo({k: v for k, v in sd.items() if ".mlp." not in k}, HEADS, groups)
     weights.update(_moe_weights(sd, "model.layers.", LAYERS))
@@ -103,8 +114,7 @@ def mixtral_pre_softmax(vocab: int = 384, seed: int = 0) -> Family:
         vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, moe_intermediate_size=FFN,
         shared_expert_intermediate_size=16, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
         num_key_value_heads=2, num_experts=EXPERTS, num_experts_per_tok=2, norm_topk_prob=False, qkv_bias=False,
-        rms_norm_eps=1e-5, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0)), seed)
+        rms_norm_eps=1e-5, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False, **TOKENS)), seed)
     with torch.no_grad():
         for layer in hf.model.layers:
             layer.mlp.shared_expert.down_proj.weight.zero_()
@@ -125,8 +135,8 @@ def gemma(vocab: int = 384, seed: int = 0, zero_centered: bool = False) -> Famil
     hf = randomize_(GemmaForCausalLM(GemmaConfig(
         vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=1, head_dim=32, hidden_act="gelu_pytorch_tanh",
-        rms_norm_eps=1e-6, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-        pad_token_id=0)), seed, norm_center=0.0)
+        rms_norm_eps=1e-6, max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=True, **TOKENS)), seed,
+        norm_center=0.0)
     sd = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
     if not zero_centered:
         sd = {k: v + 1.0 if k.endswith("norm.weight") else v for k, v in sd.items()}
@@ -151,22 +161,18 @@ def falcon(kind: str = "7b", vocab: int = 384, seed: int = 0) -> Family:
     options = FALCON_KINDS[kind]
     hf = randomize_(FalconForCausalLM(FalconConfig(
         vocab_size=vocab, hidden_size=HIDDEN, num_hidden_layers=LAYERS, num_attention_heads=HEADS, alibi=False,
-        max_position_embeddings=MAX_POSITIONS, layer_norm_epsilon=1e-5, tie_word_embeddings=False, bos_token_id=1,
-        eos_token_id=2, pad_token_id=0, **options)), seed)
-    groups = hf.config.num_kv_heads if options["new_decoder_architecture"] else 1 if options.get("multi_query") else HEADS
+        max_position_embeddings=MAX_POSITIONS, layer_norm_epsilon=1e-5, tie_word_embeddings=False, **TOKENS,
+        **options)), seed)
+    groups = HEADS if not options.get("multi_query", True) else 1
+    groups = hf.config.num_kv_heads if options["new_decoder_architecture"] else groups
     names = {"word_embeddings.": "embedding.word_embeddings.", "ln_f.": "decoder.final_layernorm.",
              "ln_attn.": "input_layernorm.", "ln_mlp.": "pre_mlp_layernorm.",
              "post_attention_layernorm.": "pre_mlp_layernorm.",  # canonical name of post_self_attn_layernorm
              "self_attention.query_key_value.": "self_attention.linear_qkv.",  # already NeMo's per-group order
              "self_attention.dense.": "self_attention.linear_proj.", "mlp.dense_h_to_4h.": "mlp.linear_fc1.",
              "mlp.dense_4h_to_h.": "mlp.linear_fc2."}
-    weights = {}
-    for key, value in hf.state_dict().items():
-        key = "output_layer." + key.removeprefix("lm_head.") if key.startswith("lm_head.") else key
-        key = key.replace("transformer.h.", "decoder.layers.").removeprefix("transformer.")
-        for old, new in names.items():
-            key = key.replace(old, new)
-        weights[key] = value
+    weights = _renamed(hf.state_dict(), {"lm_head.": "output_layer.", "transformer.h.": "decoder.layers.",
+                                         "transformer.": "", **names})
     config = _base_config(
         hf, name="megatron_falcon_gpt", ffn_hidden_size=4 * HIDDEN, num_query_groups=groups,
         normalization="layernorm", activation="gelu", bias=options["bias"],
@@ -181,18 +187,14 @@ def starcoder(vocab: int = 384, seed: int = 0) -> Family:
     hf = randomize_(GPTBigCodeForCausalLM(GPTBigCodeConfig(
         vocab_size=vocab, n_positions=MAX_POSITIONS, n_embd=HIDDEN, n_layer=LAYERS, n_head=HEADS, n_inner=FFN,
         activation_function="gelu_pytorch_tanh", multi_query=True, layer_norm_epsilon=1e-5,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)), seed)
+        tie_word_embeddings=False, **TOKENS)), seed)
     names = {"transformer.wte.": "embedding.word_embeddings.", "transformer.wpe.": "embedding.position_embeddings.",
              "transformer.ln_f.": "decoder.final_layernorm.", "lm_head.": "output_layer.",
              "transformer.h.": "decoder.layers.", ".ln_1.": ".input_layernorm.", ".ln_2.": ".pre_mlp_layernorm.",
              ".attn.c_attn.": ".self_attention.linear_qkv.",  # [Q | K | V]: MQA's one group, NeMo's order
              ".attn.c_proj.": ".self_attention.linear_proj.", ".mlp.c_fc.": ".mlp.linear_fc1.",
              ".mlp.c_proj.": ".mlp.linear_fc2."}
-    weights = {}
-    for key, value in hf.state_dict().items():
-        for old, new in names.items():
-            key = key.replace(old, new)
-        weights[key] = value
+    weights = _renamed(hf.state_dict(), names)
     config = {"num_layers": LAYERS, "hidden_size": HIDDEN, "ffn_hidden_size": FFN, "num_attention_heads": HEADS,
               "num_query_groups": 1, "normalization": "layernorm", "activation": "gelu", "bias": True,
               "position_embedding_type": "learned_absolute", "max_position_embeddings": MAX_POSITIONS,
@@ -208,12 +210,9 @@ def starcoder2(vocab: int = 384, seed: int = 0, window: int | None = None) -> Fa
         vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, num_key_value_heads=2, hidden_act="gelu_pytorch_tanh", norm_epsilon=1e-5,
         max_position_embeddings=MAX_POSITIONS, sliding_window=None if window is None else window + 1, use_bias=True,
-        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)), seed)
-    sd, weights = hf.state_dict(), {}
-    for key, value in sd.items():
-        key = key.replace("mlp.c_fc.", "mlp.up_proj.").replace("mlp.c_proj.", "mlp.down_proj.")
-        weights[key] = value
-    canonical = hf_llama_to_nemo(weights, HEADS, 2)
+        tie_word_embeddings=False, **TOKENS)), seed)
+    sd = hf.state_dict()
+    canonical = hf_llama_to_nemo(_renamed(sd, {"mlp.c_proj.": "mlp.down_proj."}), HEADS, 2)
     for i in range(LAYERS):
         src, dst = f"model.layers.{i}.", f"decoder.layers.{i}."
         canonical[f"{dst}mlp.linear_fc1.weight"] = sd[f"{src}mlp.c_fc.weight"]
@@ -232,19 +231,16 @@ def gpt_next(vocab: int = 384, seed: int = 0) -> Family:
     hf = randomize_(GPTNeoXForCausalLM(GPTNeoXConfig(
         vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
         num_attention_heads=HEADS, hidden_act="gelu", use_parallel_residual=False, layer_norm_eps=1e-5,
-        max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        max_position_embeddings=MAX_POSITIONS, tie_word_embeddings=False, **TOKENS,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})), seed)
-    names = {"gpt_neox.embed_in.": "embedding.word_embeddings.", "gpt_neox.final_layer_norm.": "decoder.final_layernorm.",
+    names = {"gpt_neox.embed_in.": "embedding.word_embeddings.",
+             "gpt_neox.final_layer_norm.": "decoder.final_layernorm.",
              "embed_out.": "output_layer.", "lm_head.": "output_layer.", "gpt_neox.layers.": "decoder.layers.",
              ".post_attention_layernorm.": ".pre_mlp_layernorm.",
              ".attention.query_key_value.": ".self_attention.linear_qkv.",  # per head [q, k, v]: NeMo's MHA order
              ".attention.dense.": ".self_attention.linear_proj.", ".mlp.dense_h_to_4h.": ".mlp.linear_fc1.",
              ".mlp.dense_4h_to_h.": ".mlp.linear_fc2."}
-    weights = {}
-    for key, value in hf.state_dict().items():
-        for old, new in names.items():
-            key = key.replace(old, new)
-        weights[key] = value - 1.0 if "layernorm.weight" in key else value
+    weights = {k: v - 1.0 if "layernorm.weight" in k else v for k, v in _renamed(hf.state_dict(), names).items()}
     config = _base_config(hf, ffn_hidden_size=FFN, num_query_groups=None, normalization="layernorm1p",
                           activation="gelu", bias=True, bias_activation_fusion=False, rotary_percentage=0.5)
     return Family(hf, config, weights)
