@@ -174,26 +174,36 @@ def _measure_ttft(result, hf, decoder, graphed_encoder, image_token, size, devic
     result["ttft_ms_hf"] = timed(theirs, device, 1, 5)
 
 
+def scheduler_decode(decoder: Decoder, prompt: torch.Tensor, steps: int,
+                     use_cuda_graphs: bool | None = None) -> Callable[[], float]:
+    """A run of the rows of `prompt` `[B, T, H]` as B requests of `steps` new tokens through one scheduler; each
+    call returns the steady ms per decode step (the admission step, with the prefill, left out)."""
+    batch, context = prompt.shape[:2]
+    scheduler = Scheduler(decoder, max_slots=batch, max_seq_len=context + steps + 1, eos_id=None,
+                          use_cuda_graphs=use_cuda_graphs)
+
+    def run() -> float:
+        handles = [scheduler.submit(prompt[i], [-1] * context, SamplingParams(max_output_len=steps))
+                   for i in range(batch)]
+        scheduler.step()  # admission: batched prefill, the first token and the first decode step
+        synchronize(decoder.device)
+        start = time.perf_counter()
+        while scheduler.step():
+            pass
+        synchronize(decoder.device)
+        assert all(len(h.result()) == steps for h in handles)
+        return (time.perf_counter() - start) * 1e3 / (steps - 2)
+
+    return run
+
+
 def _measure_decode(result, hf, decoder, batch: int, device, tiny: bool) -> None:
     """Steady decode ms/step at ``batch`` requests (608-token prompts): ours through the scheduler's captured
     steps, transformers' generate (all new tokens minus the first) with the same prompt embeddings."""
     steps = 16 if tiny else NEW_TOKENS
     context = PROMPT_TOKENS + IMAGE_FEATURES
     prompt = torch.randn(batch, context, decoder.config.hidden_size, device=device, dtype=decoder.dtype) * 0.02
-    scheduler = Scheduler(decoder, max_slots=batch, max_seq_len=context + steps + 1, eos_id=None)
-
-    def ours() -> float:
-        handles = [scheduler.submit(prompt[i], [-1] * context, SamplingParams(max_output_len=steps))
-                   for i in range(batch)]
-        scheduler.step()  # admission: batched prefill, the first token and the first decode step
-        synchronize(device)
-        start = time.perf_counter()
-        while scheduler.step():
-            pass
-        synchronize(device)
-        assert all(len(h.result()) == steps for h in handles)
-        return (time.perf_counter() - start) * 1e3 / (steps - 2)
-
+    ours = scheduler_decode(decoder, prompt, steps)
     start = time.perf_counter()
     ours()  # compiles and captures the graphs
     result[f"first_run_s_bs{batch}"] = time.perf_counter() - start

@@ -12,7 +12,8 @@ from collections.abc import Callable
 import torch
 
 from .archive import Archive, NemoCheckpointError, reading
-from .names import FC1_UP, GATED_ACTIVATIONS, LAYER_KEY, canonical_name, tp_split_dim
+from .experts import ExpertStacks
+from .names import FC1_UP, GATED_ACTIVATIONS, LAYER_KEY, canonical_name, holds_gate_and_up, tp_split_dim
 from .safe_pickle import LEGACY_SAFE_GLOBALS, load_tensors
 from .streaming import Piece, as_rows, fill, stored_offset
 
@@ -107,9 +108,10 @@ def _plan_tp_merge(ranks: list[dict[str, tuple[str, torch.Tensor]]], gated: bool
     """Merged target tensors of one pipeline stage and, per TP rank, its (stored key, meta, pieces) copy jobs.
 
     Dim-0 splits land on row ranges, dim-1 splits on column ranges, a gated fc1 rank `[gate_r; up_r]` on two
-    row ranges; replicated tensors are read from rank 0 only.
+    row ranges; replicated tensors are read from rank 0 only. Experts' tensors land in their layer's stack.
     """
     targets: dict[str, torch.Tensor] = {}
+    stacks = ExpertStacks(ranks[0])
     jobs: list[list] = [[] for _ in ranks]
     for name, (key0, meta0) in ranks[0].items():
         stored = [rank.get(name) for rank in ranks]
@@ -119,11 +121,11 @@ def _plan_tp_merge(ranks: list[dict[str, tuple[str, torch.Tensor]]], gated: bool
         shape = list(meta0.shape)
         if dim is not None:
             shape[dim] = sum(meta.shape[dim] for _, meta in stored)
-        target = targets[name] = torch.empty(shape, dtype=meta0.dtype)
+        target = targets[name] = stacks.empty(name, shape, meta0.dtype)
         if dim is None:
             jobs[0].append((key0, meta0, [(0, as_rows(target))]))
             continue
-        fused_gate_up = gated and name.rsplit(".", 1)[0].endswith("mlp.linear_fc1")
+        fused_gate_up = gated and holds_gate_and_up(name)
         offset = 0
         for rank_jobs, (key, meta) in zip(jobs, stored):
             size = meta.shape[dim]

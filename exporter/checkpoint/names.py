@@ -30,6 +30,21 @@ COLUMN_PARALLEL_LAYER_PARAMS = frozenset(
     module + kind for module in ("self_attention.linear_qkv.", "mlp.linear_fc1.", FC1_UP)
     for kind in ("weight", "bias")
 )
+#: (canonical, NeMo Falcon) name prefix: a sequential Falcon layer's norm before its MLP.
+FALCON_NORM_NAMES = (("pre_mlp_layernorm.", "post_self_attn_layernorm."),)
+#: (canonical, stored) prefix of stacked expert weights: dist checkpoints add an `experts.` level.
+DIST_EXPERT_NAMES = (("mlp.experts.", "mlp.experts.experts."),)
+#: One expert's linear layer (Megatron's SequentialMLP): its tensors are stacked into `mlp.experts.linear_fcX`.
+EXPERT_KEY = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.\w+)$")
+#: TransformerEngine's grouped experts name expert e's weight `linear_fcX.weight<e>`.
+_TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+#: Layer tensors that hold the split dim of each expert's matrices: (canonical pattern, TP split dim).
+_EXPERT_SPLIT_DIMS = (
+    (re.compile(r"^mlp\.experts\.local_experts\.\d+\.linear_fc1\.(weight|bias)$"), 0),
+    (re.compile(r"^mlp\.experts\.local_experts\.\d+\.linear_fc2\.weight$"), 1),
+    (re.compile(r"^mlp\.experts\.linear_fc1\.weight$"), 1),
+    (re.compile(r"^mlp\.experts\.linear_fc2\.weight$"), 2),
+)
 
 
 def swap_prefix(name: str, pairs: tuple[tuple[str, str], ...], reverse: bool = False) -> str:
@@ -48,7 +63,20 @@ def tp_split_dim(name: str) -> int | None:
         return 0 if name in ("embedding.word_embeddings.weight", "output_layer.weight") else None
     if match[2] in COLUMN_PARALLEL_LAYER_PARAMS:
         return 0
-    return 1 if match[2] in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight") else None
+    if match[2] in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
+        return 1
+    return next((dim for pattern, dim in _EXPERT_SPLIT_DIMS if pattern.match(match[2])), None)
+
+
+def holds_gate_and_up(name: str) -> bool:
+    """Whether canonical tensor `name` is an fc1 (dense or expert) whose rows are `[gate; up]` when gated."""
+    return name.rsplit(".", 1)[0].endswith("linear_fc1")
+
+
+def expert_slot(name: str) -> tuple[str, int] | None:
+    """(stacked canonical name, expert index) of one expert's tensor, else None."""
+    match = EXPERT_KEY.match(name)
+    return (f"{match[1]}{match[3]}", int(match[2])) if match else None
 
 
 def canonical_name(key: str) -> str | None:
@@ -63,5 +91,8 @@ def canonical_name(key: str) -> str | None:
     match = LAYER_KEY.match(key)
     if match:
         rest = swap_prefix(match[2], LEGACY_LAYER_NAMES, reverse=True)
-        key = f"decoder.layers.{match[1]}.{swap_prefix(rest, TE_NORM_NAMES, reverse=True)}"
+        rest = swap_prefix(rest, TE_NORM_NAMES + FALCON_NORM_NAMES + DIST_EXPERT_NAMES, reverse=True)
+        grouped = _TE_GROUPED_EXPERT.match(rest)
+        rest = f"mlp.experts.local_experts.{grouped[2]}.{grouped[1]}.weight" if grouped else rest
+        key = f"decoder.layers.{match[1]}.{rest}"
     return key

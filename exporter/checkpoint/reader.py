@@ -14,6 +14,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 
 from .archive import Archive, NemoCheckpointError
+from .experts import stack_experts
 from .legacy import TP_PP_SHARD, TP_SHARD, LegacyReader, torch_load
 from .names import FC1_UP
 from .nemo2 import nemo2_to_nemo1_config
@@ -85,7 +86,8 @@ class NemoCheckpoint:
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """All weights in canonical names: TP shards merged, PP stages renumbered, dist layers unstacked."""
+        """All weights in canonical names: TP shards merged, PP stages renumbered, dist layers unstacked, each
+        MoE layer's experts stacked."""
         if self.layout in ("torch_dist", "nemo2"):
             folder = "model_weights/" if self.layout == "torch_dist" else "weights/"
             weights = DistReader(self._archive, folder).load(self._renamed)
@@ -98,7 +100,7 @@ class NemoCheckpoint:
             weights[fc1] = torch.cat([weights[fc1], weights.pop(name)])
         if not weights:
             raise NemoCheckpointError(f"{self.path}: the {self.layout} weights hold no tensors")
-        return weights
+        return stack_experts(weights)
 
     def _detect_layout(self) -> str:
         names = set(self._archive.names)
