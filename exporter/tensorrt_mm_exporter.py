@@ -85,11 +85,16 @@ class TensorRTMMExporter(ITritonDeployable):
         export_onnx: bool = False,
         nemo_rename_key: Sequence[str] = (),
         audio_frontend: str | None = None,
+        quantization: str | None = None,
+        calib_data: str | Path | None = None,
     ) -> None:
         """Write the engine directory (NeMo's arguments; the keyword-only ones are this package's).
 
         ``audio_frontend`` (SALM): ``"nemo-2.4"`` or ``"nemo-2.5"``, the NeMo release whose audio front end the
         checkpoint was trained with (see docs/fidelity.md); default the checkpoint's declaration, else ``"nemo-2.5"``.
+        ``quantization``: store the LLM layers' weights as ``int8_wo``, ``int4_wo``, ``int4_awq`` or ``fp8``
+        (quantized on this exporter's device; see docs/fidelity.md); ``calib_data``: a text file of prompts, one a
+        line, for int4_awq's calibration (default: prompts bundled with the package).
         """
         kind = get_model_type(model_type)
         if kind.modality != self.modality:
@@ -110,7 +115,8 @@ class TensorRTMMExporter(ITritonDeployable):
         export_engine(self.model_dir, visual_checkpoint_path, model_type=model_type,
                       llm_checkpoint_path=llm_checkpoint_path, llm_model_type=llm_model_type, limits=limits,
                       dtype=dtype, vision_tower_path=vision_tower_path, tokenizer_path=tokenizer_path,
-                      export_onnx=export_onnx, rename_keys=tuple(nemo_rename_key), audio_frontend=audio_frontend)
+                      export_onnx=export_onnx, rename_keys=tuple(nemo_rename_key), audio_frontend=audio_frontend,
+                      quantization=quantization, calib_data=calib_data, device=self.device)
         if load_model:
             self._load()
 

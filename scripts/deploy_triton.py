@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from deploy import DeployPyTriton
 from deploy.startup import DeployError, check_model_repository, check_port_free
 from deploy.triton_deployable import MODEL_TYPE_MODALITY, modality_of, stream_model_name
+from exporter.llm.config import QUANT_METHODS
 
 LOGGER = logging.getLogger("deploy_triton")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -92,6 +93,9 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     (None, "--tokenizer_path", str, None, None, "local tokenizer, if not in the checkpoint"),
     (None, "--audio_frontend", str, ("nemo-2.4", "nemo-2.5"), None,
      "SALM: the NeMo release whose audio front end the checkpoint was trained with (default: its declaration, else nemo-2.5)"),
+    (None, "--quantization", str, QUANT_METHODS, None,
+     "store the LLM layers' weights quantized (int4_awq calibrates on --calib_data)"),
+    (None, "--calib_data", str, None, None, "int4_awq: text file of calibration prompts, one a line (default: bundled)"),
     (None, "--openai_port", int, None, None, "port of an OpenAI-compatible HTTP API (/v1/chat/completions)"),
     (None, "--openai_address", str, None, None, "address the OpenAI API listens on (default: --triton_http_address)"),
     (None, "--openai_max_request_bytes", int, None, None,
@@ -194,6 +198,8 @@ def _validate(settings: dict) -> None:
         raise ValueError(
             "no model name: give -tmn/--triton_model_name or set triton_model_name in the config"
         )
+    if (settings["quantization"] or settings["calib_data"]) and not settings["visual_checkpoint"]:
+        raise ValueError("--quantization and --calib_data apply to an export: give -vc/--visual_checkpoint too")
     if settings["visual_checkpoint"] and not settings["model_type"]:
         raise ValueError("exporting a checkpoint needs -mt/--model_type")
     if settings["model_type"]:
@@ -260,7 +266,7 @@ def _export_arguments(settings: argparse.Namespace) -> dict:
         "max_lora_rank": settings.max_lora_rank,
         "lora_checkpoint_path": settings.lora_checkpoint_path,
     }
-    for name in ("vision_tower_path", "tokenizer_path", "audio_frontend"):
+    for name in ("vision_tower_path", "tokenizer_path", "audio_frontend", "quantization", "calib_data"):
         if getattr(settings, name) is not None:
             arguments[name] = getattr(settings, name)
     return arguments

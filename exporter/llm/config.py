@@ -23,6 +23,10 @@ ACTIVATIONS = {
 GATED_ACTIVATIONS = ("swiglu", "geglu", "reglu")
 NORMALIZATIONS = ("layernorm", "layernorm1p", "rmsnorm")
 POSITION_EMBEDDINGS = ("rope", "learned_absolute")
+# How the decoder layers' linear weights may be stored (exporter/llm/quant): int8 per output channel, int4 in
+# groups along the input (plain or activation-aware), FP8 e4m3 per output channel.
+QUANT_METHODS = ("int8_wo", "int4_wo", "int4_awq", "fp8")
+INT4_GROUP_SIZES = (128, 64, 32)
 
 
 def _supported(field: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:
@@ -33,12 +37,36 @@ def _supported(field: str, value: Any, allowed: tuple[str, ...] | list[str]) -> 
 
 
 @dataclass(frozen=True)
+class QuantConfig:
+    """How the decoder layers' QKV, proj, fc1 and fc2 weights are stored; embedding, head and norms keep the
+    model dtype. `group_size` (int4 methods only, default 128) is the preferred group along the input; a layer
+    whose input width it does not divide uses the largest of 128/64/32 that does, else 32 with zero padding."""
+
+    method: str
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANT_METHODS:
+            raise ValueError(f"quantization {self.method!r} is not supported; supported values: "
+                             f"{', '.join(QUANT_METHODS)}")
+        if self.method.startswith("int4"):
+            if self.group_size is None:
+                object.__setattr__(self, "group_size", INT4_GROUP_SIZES[0])
+            if self.group_size not in INT4_GROUP_SIZES:
+                raise ValueError(f"quantization group_size {self.group_size!r} is not supported; supported values: "
+                                 f"{', '.join(map(str, INT4_GROUP_SIZES))}")
+        elif self.group_size is not None:
+            raise ValueError(f"quantization {self.method} takes no group_size (got {self.group_size})")
+
+
+@dataclass(frozen=True)
 class DecoderConfig:
     """Everything that defines a GPT-style decoder's shape and numerics.
 
     `normalization` is `layernorm` or `rmsnorm`; `zero_centered_gamma` means the stored norm weight is γ-1
     (NeMo's `layernorm1p`). `activation` is one of the values of `ACTIVATIONS`; the gated ones compute
     `act(x·W_gate) * (x·W_up)` from one `[gate; up]` weight. `vocab_size` is the padded vocabulary.
+    `quantization`: how the layers' linear weights are stored (None: in the model dtype).
     """
 
     num_layers: int
@@ -59,8 +87,11 @@ class DecoderConfig:
     seq_len_interpolation_factor: float | None = None
     max_position_embeddings: int = 4096
     share_embeddings_and_output_weights: bool = False
+    quantization: QuantConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and not isinstance(self.quantization, QuantConfig):
+            raise ValueError(f"quantization must be a QuantConfig or None, got {self.quantization!r}")
         _supported("normalization", self.normalization, ("layernorm", "rmsnorm"))
         _supported("activation", self.activation, sorted(set(ACTIVATIONS.values())))
         _supported("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
@@ -154,6 +185,9 @@ class DecoderConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown decoder config fields {unknown}; known fields: {sorted(known)}")
+        quantization = values.get("quantization")
+        if quantization is not None:
+            values = {**values, "quantization": QuantConfig(**quantization)}
         return cls(**values)
 
 

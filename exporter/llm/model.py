@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from .config import DecoderConfig
 from .gemv import linear
+from .quant.linear import QuantLinear
 
 _ACTIVATION_FUNCTIONS = {
     "swiglu": F.silu,
@@ -33,6 +34,7 @@ _ACTIVATION_FUNCTIONS = {
 # perception) is someone else's.
 _LLM_KEY_PREFIXES = ("decoder.", "output_layer.")
 _LLM_EMBEDDING_KEYS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what `dtype` casts (not int8/uint8/float8 weights)
 
 
 def select_llm_weights(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -209,6 +211,13 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
+def _layer_linear(config: DecoderConfig, in_features: int, out_features: int) -> Linear | QuantLinear:
+    """A decoder layer's linear module: its weight in the model dtype, or stored as `config.quantization` says."""
+    if config.quantization is None:
+        return Linear(in_features, out_features, bias=config.bias)
+    return QuantLinear(in_features, out_features, config.bias, config.quantization)
+
+
 class Norm(nn.Module):
     """LayerNorm (weight + bias) or RMSNorm (weight); zero-centred γ stores γ-1 (NeMo `layernorm1p`)."""
 
@@ -278,8 +287,8 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
         qkv_rows = (self.heads + 2 * self.groups) * self.head_dim
-        self.linear_qkv = Linear(config.hidden_size, qkv_rows, bias=config.bias)
-        self.linear_proj = Linear(self.heads * self.head_dim, config.hidden_size, bias=config.bias)
+        self.linear_qkv = _layer_linear(config, config.hidden_size, qkv_rows)
+        self.linear_proj = _layer_linear(config, self.heads * self.head_dim, config.hidden_size)
 
     def forward(self, x: Tensor, attention: _Attention) -> Tensor:
         batch, length, _ = x.shape
@@ -306,8 +315,8 @@ class MLP(nn.Module):
         self.gated = config.gated
         self.activation = config.activation
         fc1_rows = 2 * config.ffn_hidden_size if self.gated else config.ffn_hidden_size
-        self.linear_fc1 = Linear(config.hidden_size, fc1_rows, bias=config.bias)
-        self.linear_fc2 = Linear(config.ffn_hidden_size, config.hidden_size, bias=config.bias)
+        self.linear_fc1 = _layer_linear(config, config.hidden_size, fc1_rows)
+        self.linear_fc2 = _layer_linear(config, config.ffn_hidden_size, config.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.linear_fc1(x)
@@ -369,7 +378,8 @@ class Decoder(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> Decoder:
-        """Build on the meta device and take the given tensors as parameters (cast/moved only if asked)."""
+        """Build on the meta device and take the given tensors as parameters (cast/moved only if asked; quantized
+        weights keep their stored dtype, their scales take `dtype`)."""
         with torch.device("meta"):
             model = cls(config)
         expected, given = set(model.state_dict()), set(state_dict)
@@ -377,7 +387,8 @@ class Decoder(nn.Module):
             raise ValueError(
                 _describe_key_mismatch(config, missing=expected - given, unexpected=given - expected)
             )
-        weights = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+        weights = {k: v.to(device=device, dtype=dtype if v.dtype in _FLOAT_DTYPES else None)
+                   for k, v in state_dict.items()}
         model.load_state_dict(weights, strict=True, assign=True)
         return model.requires_grad_(False).eval()
 
