@@ -3,15 +3,16 @@
 On CUDA (with Triton) each product has candidates, and the first call of each (method, weight shape, dtype, row
 bucket) times them and keeps the fastest (`gemv.fastest`), so a candidate can only help:
 
-- `fused`: one Triton kernel dequantizes the weight tile in registers and multiplies it. Up to 8 rows (decode) it
-  accumulates with FMAs, streaming the weight at memory speed; more rows use tensor cores (`tl.dot`). Autotuned
-  per (N, K, rows, group) over a wide space of tile shapes.
+- `fused`: one Triton kernel dequantizes each weight tile in registers and multiplies it. Up to 8 rows (decode)
+  it accumulates with FMAs, streaming the weight at memory speed; more rows use tensor cores (`tl.dot`). Autotuned
+  per (N, K, group, rows) over a wide space of tile shapes.
 - `dequant`: a Triton kernel writes the whole weight in the activation dtype, then cuBLAS multiplies.
 - `scaled_mm` (FP8 weights on GPUs with FP8, sm_89+): activations are quantized to e4m3 per row on the fly and
   `torch._scaled_mm` runs the product on FP8 tensor cores (per-row activation and per-channel weight scales).
 
 Everywhere else (CPU, no Triton) the reference runs: `formats.dequantize`, then `F.linear`. Nothing here syncs
-with the host or allocates outside the output, so all of it can be captured in CUDA graphs.
+with the host once a key's choice is made (made outside graph capture: the capture's warm-up runs come first), so
+all of it can be captured in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ def quantized_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tens
     if not flat.is_contiguous():
         flat = flat.contiguous()
     rows = flat.shape[0]
-    candidates = {
-        "dequant": lambda: _dequant_linear(flat, layout, weight, scale, zero, input_scale, bias),
-    }
     fp8_gpu = _has_fp8(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    if layout.method != "fp8" or fp8_gpu:
+    triton_reads_weight = layout.method != "fp8" or fp8_gpu  # Triton converts float8 e4m3 on sm_89+ only
+    candidates = {"dequant": lambda: _dequant_linear(flat, layout, weight, scale, zero, input_scale, bias,
+                                                     on_device=triton_reads_weight)}
+    if triton_reads_weight:
         candidates["fused"] = lambda: fused_linear(flat, layout, weight, scale, zero, input_scale, bias)
     if (layout.method == "fp8" and fp8_gpu and x.dtype == torch.bfloat16
             and layout.in_features % 16 == 0 and layout.out_features % 16 == 0):
@@ -103,7 +104,10 @@ def dequantize_on_device(layout: QuantLayout, weight: Tensor, scale: Tensor, zer
 
 
 def _dequant_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None,
-                    input_scale: Tensor | None, bias: Tensor | None) -> Tensor:
+                    input_scale: Tensor | None, bias: Tensor | None, on_device: bool = True) -> Tensor:
+    """Dequantize the whole weight (by the Triton kernel, or by torch), then `F.linear` (cuBLAS)."""
+    if not on_device:
+        return reference_linear(x, layout, weight, scale, zero, input_scale, bias)
     if input_scale is not None:
         x = x * input_scale
     return F.linear(x, dequantize_on_device(layout, weight, scale, zero, x.dtype), bias)
@@ -130,33 +134,45 @@ def _row_bucket(rows: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, K, W_STRIDE, NG, INT4: tl.constexpr, G: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Weight rows `rows` x columns `[k0, k0 + BLOCK_K)` in float32: int4 dequantized per group; int8 and fp8
-        unscaled (their per-row scale multiplies the finished product)."""
-        if INT4:
-            half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-            packed = tl.load(w_ptr + rows[:, None] * W_STRIDE + half[None, :],
-                             mask=row_ok[:, None] & (half < W_STRIDE)[None, :], other=0, eviction_policy="evict_first")
-            q = tl.reshape(tl.join(packed & 15, packed >> 4), (BLOCK_N, BLOCK_K)).to(tl.float32)
-            if BLOCK_K >= G:  # whole groups: one scale and zero per group, spread over its columns
-                groups = k0 // G + tl.arange(0, BLOCK_K // G)
-                offsets = rows[:, None] * NG + groups[None, :]
-                group_ok = row_ok[:, None] & (groups < NG)[None, :]
-                s = tl.load(s_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)
-                z = tl.load(z_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)
-                s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // G, G)), (BLOCK_N, BLOCK_K))
-                z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, BLOCK_K // G, G)), (BLOCK_N, BLOCK_K))
-            else:  # the tile lies inside one group
-                offsets = rows * NG + k0 // G
-                s = tl.load(s_ptr + offsets, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-                z = tl.load(z_ptr + offsets, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            return (q - z) * s
-        else:
-            cols = k0 + tl.arange(0, BLOCK_K)
-            return tl.load(w_ptr + rows[:, None] * W_STRIDE + cols[None, :],
-                           mask=row_ok[:, None] & (cols < K)[None, :], other=0.0,
-                           eviction_policy="evict_first").to(tl.float32)
+    def _int4_tiles(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, G: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+        """Weight rows `rows` x columns `[k0, k0 + BLOCK_K)`, dequantized to float32 and split by parity: the even
+        columns (low nibbles) and the odd ones (high nibbles), each `[BLOCK_N, BLOCK_K // 2]`. A byte's two columns
+        share a group, so byte j of the tile takes the scale and zero of group `(k0 + 2j) // G`."""
+        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        packed = tl.load(w_ptr + rows[:, None] * W_STRIDE + half[None, :],
+                         mask=row_ok[:, None] & (half < W_STRIDE)[None, :], other=0, eviction_policy="evict_first")
+        if BLOCK_K >= G:  # whole groups: one scale and zero per group, spread over its G / 2 bytes
+            groups = k0 // G + tl.arange(0, BLOCK_K // G)
+            offsets = rows[:, None] * NG + groups[None, :]
+            group_ok = row_ok[:, None] & (groups < NG)[None, :]
+            s = tl.load(s_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)
+            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // G, G // 2)), (BLOCK_N, BLOCK_K // 2))
+            z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, BLOCK_K // G, G // 2)), (BLOCK_N, BLOCK_K // 2))
+        else:  # the tile lies inside one group
+            offsets = rows * NG + k0 // G
+            s = tl.load(s_ptr + offsets, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            z = tl.load(z_ptr + offsets, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        low = ((packed & 15).to(tl.float32) - z) * s
+        high = ((packed >> 4).to(tl.float32) - z) * s
+        return low, high
+
+    @triton.jit
+    def _channel_tile(w_ptr, rows, row_ok, cols, col_ok, W_STRIDE):
+        """Weight rows `rows` x columns `cols` of an int8 or fp8 weight in float32, unscaled (the per-row scale
+        multiplies the finished product)."""
+        return tl.load(w_ptr + rows[:, None] * W_STRIDE + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                       other=0.0, eviction_policy="evict_first").to(tl.float32)
+
+    @triton.jit
+    def _activations(x_ptr, xs_ptr, tokens, token_ok, cols, col_ok, K, HAS_INPUT_SCALE: tl.constexpr):
+        """x[tokens, cols] in float32, times AWQ's input scale of each column."""
+        x = tl.load(x_ptr + tokens[:, None] * K + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
+                    other=0.0).to(tl.float32)
+        if HAS_INPUT_SCALE:
+            x = x * tl.load(xs_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        return x
 
     @triton.jit
     def _qlinear_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, W_STRIDE, NG, M_BUCKET,
@@ -165,30 +181,40 @@ if triton is not None:
                         BLOCK_K: tl.constexpr):
         """y[m, n] = sum_k x[m, k] (* xs[k]) W[n, k] (+ b[n]) for a BLOCK_M x BLOCK_N tile, in float32.
 
-        DOT: tensor-core products of each dequantized tile (BLOCK_M >= 16); otherwise FMAs into a
-        [BLOCK_M, BLOCK_N, BLOCK_K] accumulator reduced once at the end (few rows: the weight read dominates).
-        M_BUCKET only keys the autotuning."""
+        DOT: tensor-core products of each dequantized tile (BLOCK_M >= 16), its operands rounded to the activation
+        dtype as the reference's are; otherwise FMAs into a per-thread accumulator reduced once at the end (few
+        rows: the weight read dominates). int4 tiles are multiplied as their even and odd columns. M_BUCKET only
+        keys the autotuning."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_ok = rows < N
         token_ok = tokens < M
+        dtype = x_ptr.dtype.element_ty
         if DOT:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        elif INT4:
+            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_ok = cols < K
-            x = tl.load(x_ptr + tokens[:, None] * K + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
-                        other=0.0).to(tl.float32)
-            if HAS_INPUT_SCALE:
-                x = x * tl.load(xs_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-            w = _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, K, W_STRIDE, NG, INT4, G, BLOCK_N, BLOCK_K)
-            if DOT:  # in the activation dtype, as the reference rounds both operands
-                dtype = x_ptr.dtype.element_ty
-                acc += tl.dot(x.to(dtype), tl.trans(w.to(dtype)), input_precision=PRECISION)
+            if INT4:
+                even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+                x_even = _activations(x_ptr, xs_ptr, tokens, token_ok, even, even < K, K, HAS_INPUT_SCALE)
+                x_odd = _activations(x_ptr, xs_ptr, tokens, token_ok, even + 1, even + 1 < K, K, HAS_INPUT_SCALE)
+                low, high = _int4_tiles(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, G, BLOCK_N, BLOCK_K)
+                if DOT:
+                    acc = tl.dot(x_even.to(dtype), tl.trans(low.to(dtype)), acc, input_precision=PRECISION)
+                    acc = tl.dot(x_odd.to(dtype), tl.trans(high.to(dtype)), acc, input_precision=PRECISION)
+                else:
+                    acc += low[None, :, :] * x_even[:, None, :] + high[None, :, :] * x_odd[:, None, :]
             else:
-                acc += w[None, :, :] * x[:, None, :]
+                cols = k0 + tl.arange(0, BLOCK_K)
+                x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE)
+                w = _channel_tile(w_ptr, rows, row_ok, cols, cols < K, W_STRIDE)
+                if DOT:
+                    acc = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
+                else:
+                    acc += w[None, :, :] * x[:, None, :]
         if DOT:
             y = acc
         else:
@@ -206,13 +232,19 @@ if triton is not None:
         """out[n, k] = W[n, k] in out's dtype, for a BLOCK_N x BLOCK_K tile."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = tl.program_id(1) * BLOCK_K
-        cols = k0 + tl.arange(0, BLOCK_K)
         row_ok = rows < N
-        w = _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, K, W_STRIDE, NG, INT4, G, BLOCK_N, BLOCK_K)
-        if not INT4:
+        out_rows = out_ptr + rows[:, None] * K
+        if INT4:
+            low, high = _int4_tiles(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, G, BLOCK_N, BLOCK_K)
+            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+            tl.store(out_rows + even[None, :], low.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (even < K)[None, :])
+            tl.store(out_rows + even[None, :] + 1, high.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & (even + 1 < K)[None, :])
+        else:
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w = _channel_tile(w_ptr, rows, row_ok, cols, cols < K, W_STRIDE)
             w = w * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptr + rows[:, None] * K + cols[None, :], w.to(out_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & (cols < K)[None, :])
+            tl.store(out_rows + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < K)[None, :])
 
     def _bench(kernel_call, quantiles):
         return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
@@ -235,10 +267,9 @@ if triton is not None:
         configs=[
             triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
             for n, k, warps, stages in (
-                (1, 2048, 4, 3), (2, 1024, 4, 3), (2, 2048, 8, 3), (4, 512, 4, 3), (4, 1024, 4, 3), (4, 1024, 8, 4),
-                (4, 2048, 8, 3), (8, 256, 4, 4), (8, 512, 4, 3), (8, 512, 8, 4), (8, 1024, 8, 3), (16, 128, 4, 4),
-                (16, 256, 4, 3), (16, 256, 8, 4), (16, 512, 8, 3), (32, 128, 4, 4), (32, 128, 8, 3), (32, 256, 8, 4),
-                (64, 128, 8, 3), (64, 64, 4, 4),
+                (2, 1024, 4, 3), (2, 2048, 8, 3), (4, 512, 4, 3), (4, 1024, 4, 3), (4, 1024, 8, 4), (8, 256, 4, 4),
+                (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 3), (16, 256, 8, 4), (16, 512, 8, 3), (32, 128, 4, 4),
+                (32, 256, 8, 3), (64, 128, 8, 3),
             )
         ],
         key=[*_AUTOTUNE_KEY, "BLOCK_M"],
@@ -249,9 +280,8 @@ if triton is not None:
         configs=[
             triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
             for m, n, k, warps, stages in (
-                (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (16, 64, 256, 4, 3), (32, 64, 128, 4, 4),
-                (32, 128, 128, 4, 3), (32, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4),
-                (64, 128, 128, 8, 3), (64, 256, 64, 8, 3), (128, 64, 128, 4, 3), (128, 128, 64, 8, 3),
+                (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (32, 64, 128, 4, 4), (32, 128, 128, 4, 3),
+                (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (128, 128, 64, 8, 3),
                 (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
             )
         ],
