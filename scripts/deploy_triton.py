@@ -95,7 +95,7 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
      "SALM: the NeMo release whose audio front end the checkpoint was trained with (default: its declaration, else nemo-2.5)"),
     (None, "--quantization", str, QUANT_METHODS, None,
      "store the LLM layers' weights quantized (int4_awq calibrates on --calib_data)"),
-    (None, "--calib_data", str, None, None, "int4_awq: text file of calibration prompts, one a line (default: bundled)"),
+    (None, "--calib_data", str, None, None, "int4_awq: calibration prompts, a text file, one a line (default: bundled)"),
     (None, "--openai_port", int, None, None, "port of an OpenAI-compatible HTTP API (/v1/chat/completions)"),
     (None, "--openai_address", str, None, None, "address the OpenAI API listens on (default: --triton_http_address)"),
     (None, "--openai_max_request_bytes", int, None, None,

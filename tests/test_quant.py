@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -82,8 +83,6 @@ def test_quant_config_rejects_what_it_cannot_store():
         QuantConfig("fp8", group_size=128)
     assert QuantConfig("int4_wo").group_size == 128
     config = DecoderConfig.from_nemo(CONFIG, vocab_size=64)
-    import dataclasses
-
     quantized = dataclasses.replace(config, quantization=QuantConfig("int4_awq", 64))
     assert DecoderConfig.from_dict(json.loads(json.dumps(quantized.to_dict()))) == quantized
 

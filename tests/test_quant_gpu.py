@@ -70,10 +70,12 @@ def test_every_candidate_equals_dequantize_then_matmul(method):
                 assert error < limit, f"{name}: {n}x{k}, {rows} rows: relative error {error:.2e}"
 
 
-def _decoder(method: str, device: str, dtype: torch.dtype) -> Decoder:
+def _decoder(method: str, device: str, dtype: torch.dtype, quantized_from: torch.dtype = torch.float32) -> Decoder:
+    """The tiny decoder quantized from weights in `quantized_from` (its scales are exact in that dtype), loaded in
+    `dtype` on `device`."""
     weights = {k: v * 0.3 for k, v in make_tiny_gpt_weights(CONFIG, vocab=VOCAB, seed=3).items()
                if not k.endswith(".bias")}
-    weights = select_llm_weights(weights)
+    weights = {k: v.to(quantized_from) for k, v in select_llm_weights(weights).items()}
     config = DecoderConfig.from_nemo(CONFIG, vocab_size=VOCAB)
     calibration = torch.randint(3, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
     config = quantize_decoder_weights(config, weights, QuantConfig(method), calibration)
@@ -90,8 +92,7 @@ def test_float32_greedy_tokens_through_captured_steps_equal_the_cpu(method):
     for prompt, tokens in zip(prompts, expected):  # well-posed: no near-tie on the CPU's greedy path
         logits = cpu(cpu.embed(torch.tensor(prompt.tolist() + tokens)[None]))[0, len(prompt) - 1: -1]
         top2 = logits.topk(2).values
-        if (top2[:, 0] - top2[:, 1]).min() < 1e-3:
-            pytest.skip("a near-tie on the greedy path")
+        assert (top2[:, 0] - top2[:, 1]).min() > 1e-3  # checked on the CPU: the smallest gap is 0.004
     scheduler = Scheduler(gpu, max_slots=4, max_seq_len=64, eos_id=None, use_cuda_graphs=True)
     handles = [scheduler.submit(gpu.embed(p.cuda()), p.tolist(), params) for p in prompts]
     while scheduler.step():
@@ -103,11 +104,13 @@ def test_float32_greedy_tokens_through_captured_steps_equal_the_cpu(method):
 @pytest.mark.parametrize("method", QUANT_METHODS)
 @torch.inference_mode()
 def test_bfloat16_logits_within_2e_2_of_float32(method):
-    """A prefill, then captured decode steps fed the same tokens (the same quantized weights in both dtypes)."""
+    """A prefill, then captured decode steps fed the same tokens: the same stored weights (quantized from bf16, so
+    both dtypes hold their scales exactly), activations in float32 and in bfloat16. On the CPU the same comparison
+    gives 1.3 to 1.5% (1.6% for the float model)."""
     ids = torch.randint(3, VOCAB, (2, 24), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     logits = {}
     for dtype in (torch.float32, torch.bfloat16):
-        model = _decoder(method, "cuda", dtype)
+        model = _decoder(method, "cuda", dtype, quantized_from=torch.bfloat16)
         cache = model.new_kv_cache(2, 64)
         steps = [model(model.embed(ids[:, :16]), kv_cache=cache)]
         decode = DecodeStep(model, cache, use_cuda_graphs=True)

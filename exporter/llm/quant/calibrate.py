@@ -41,7 +41,8 @@ def calibration_prompts(calib_data: str | Path | None = None) -> list[str]:
         try:
             text = path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
-            raise ValueError(f"calib_data {path} is not UTF-8 text; give a text file with one prompt per line") from None
+            raise ValueError(f"calib_data {path} is not UTF-8 text; give a text file with one prompt per "
+                             "line") from None
     prompts = [line.strip() for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError(f"calib_data {calib_data} holds no prompts; give a text file with one prompt per line")

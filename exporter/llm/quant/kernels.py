@@ -237,14 +237,16 @@ if triton is not None:
         if INT4:
             low, high = _int4_tiles(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, G, BLOCK_N, BLOCK_K)
             even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            tl.store(out_rows + even[None, :], low.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (even < K)[None, :])
+            tl.store(out_rows + even[None, :], low.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & (even < K)[None, :])
             tl.store(out_rows + even[None, :] + 1, high.to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & (even + 1 < K)[None, :])
         else:
             cols = k0 + tl.arange(0, BLOCK_K)
             w = _channel_tile(w_ptr, rows, row_ok, cols, cols < K, W_STRIDE)
             w = w * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_rows + cols[None, :], w.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & (cols < K)[None, :])
+            tl.store(out_rows + cols[None, :], w.to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & (cols < K)[None, :])
 
     def _bench(kernel_call, quantiles):
         return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
