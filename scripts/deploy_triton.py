@@ -19,7 +19,6 @@ from omegaconf import OmegaConf
 from deploy import DeployPyTriton
 from deploy.startup import DeployError, check_model_repository, check_port_free
 from deploy.triton_deployable import MODEL_TYPE_MODALITY, modality_of, stream_model_name
-from exporter.llm.config import QUANT_METHODS
 
 LOGGER = logging.getLogger("deploy_triton")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -93,8 +92,8 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     (None, "--tokenizer_path", str, None, None, "local tokenizer, if not in the checkpoint"),
     (None, "--audio_frontend", str, ("nemo-2.4", "nemo-2.5"), None,
      "SALM: the NeMo release whose audio front end the checkpoint was trained with (default: its declaration, else nemo-2.5)"),
-    (None, "--quantization", str, QUANT_METHODS, None,
-     "store the LLM layers' weights quantized (int4_awq calibrates on --calib_data)"),
+    (None, "--quantization", str, None, None,
+     "store the LLM layers' weights quantized: int8_wo, int4_wo, int4_awq (calibrated on --calib_data) or fp8"),
     (None, "--calib_data", str, None, None, "int4_awq: calibration prompts, a text file, one a line (default: bundled)"),
     (None, "--openai_port", int, None, None, "port of an OpenAI-compatible HTTP API (/v1/chat/completions)"),
     (None, "--openai_address", str, None, None, "address the OpenAI API listens on (default: --triton_http_address)"),
@@ -200,6 +199,10 @@ def _validate(settings: dict) -> None:
         )
     if (settings["quantization"] or settings["calib_data"]) and not settings["visual_checkpoint"]:
         raise ValueError("--quantization and --calib_data apply to an export: give -vc/--visual_checkpoint too")
+    if settings["quantization"]:
+        from exporter.llm.config import QuantConfig  # the exporter only when asked (the script starts without it)
+
+        QuantConfig(settings["quantization"])  # an unknown method fails here, naming the supported ones
     if settings["visual_checkpoint"] and not settings["model_type"]:
         raise ValueError("exporting a checkpoint needs -mt/--model_type")
     if settings["model_type"]:

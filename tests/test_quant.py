@@ -183,8 +183,8 @@ def test_deploy_script_takes_quantization_flags():
         deploy_triton.parse_settings(["-tmn", "m", "-mt", "neva", "-vc", "x.nemo"]))
     with pytest.raises(ValueError, match="apply to an export: give -vc/--visual_checkpoint"):
         deploy_triton.parse_settings(["-tmn", "m", "--quantization", "fp8"])
-    with pytest.raises(SystemExit):
-        deploy_triton.parse_settings(["-tmn", "m", "--quantization", "int2"])
+    with pytest.raises(ValueError, match="quantization 'int2' is not supported; supported values: int8_wo, "):
+        deploy_triton.parse_settings(["-tmn", "m", "-mt", "neva", "-vc", "x.nemo", "--quantization", "int2"])
 
 
 def test_without_triton_the_reference_runs_and_the_interpreter_test_skips(tmp_path):

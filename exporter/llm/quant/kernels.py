@@ -96,7 +96,7 @@ def dequantize_on_device(layout: QuantLayout, weight: Tensor, scale: Tensor, zer
     """`formats.dequantize` as one Triton kernel (CUDA, or CPU under `TRITON_INTERPRET=1`)."""
     n, k = layout.out_features, layout.in_features
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
-    block_n, block_k = 32, 256
+    block_n, block_k = 32, layout.group or 256  # an int4 tile is one group
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         weight, scale, scale if zero is None else zero, out, n, k, weight.shape[1], layout.groups,
         INT4=layout.int4, G=layout.group or 1, BLOCK_N=block_n, BLOCK_K=block_k)
@@ -134,26 +134,18 @@ def _row_bucket(rows: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _int4_tiles(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, G: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-        """Weight rows `rows` x columns `[k0, k0 + BLOCK_K)`, dequantized to float32 and split by parity: the even
-        columns (low nibbles) and the odd ones (high nibbles), each `[BLOCK_N, BLOCK_K // 2]`. A byte's two columns
-        share a group, so byte j of the tile takes the scale and zero of group `(k0 + 2j) // G`."""
-        half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    def _int4_tiles(w_ptr, s_ptr, z_ptr, rows, row_ok, k, W_STRIDE, NG, G: tl.constexpr, SUB: tl.constexpr):
+        """Weight rows `rows` x columns `[k, k + SUB)`, inside one group (SUB <= G), dequantized to float32 and
+        split by parity: the even columns (low nibbles) and the odd ones (high nibbles), each `[rows, SUB // 2]`.
+        The group's scale and zero are one value a row, broadcast along the columns."""
+        half = k // 2 + tl.arange(0, SUB // 2)
         packed = tl.load(w_ptr + rows[:, None] * W_STRIDE + half[None, :],
                          mask=row_ok[:, None] & (half < W_STRIDE)[None, :], other=0, eviction_policy="evict_first")
-        if BLOCK_K >= G:  # whole groups: one scale and zero per group, spread over its G / 2 bytes
-            groups = k0 // G + tl.arange(0, BLOCK_K // G)
-            offsets = rows[:, None] * NG + groups[None, :]
-            group_ok = row_ok[:, None] & (groups < NG)[None, :]
-            s = tl.load(s_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)
-            s = tl.reshape(tl.broadcast_to(s[:, :, None], (BLOCK_N, BLOCK_K // G, G // 2)), (BLOCK_N, BLOCK_K // 2))
-            z = tl.reshape(tl.broadcast_to(z[:, :, None], (BLOCK_N, BLOCK_K // G, G // 2)), (BLOCK_N, BLOCK_K // 2))
-        else:  # the tile lies inside one group
-            offsets = rows * NG + k0 // G
-            s = tl.load(s_ptr + offsets, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            z = tl.load(z_ptr + offsets, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        group = k // G + 0 * rows  # the group of every row (a vector, for the mask)
+        offsets = rows * NG + group
+        group_ok = row_ok & (group < NG)  # a tile may reach past the last group
+        s = tl.load(s_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)[:, None]
+        z = tl.load(z_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)[:, None]
         low = ((packed & 15).to(tl.float32) - z) * s
         high = ((packed >> 4).to(tl.float32) - z) * s
         return low, high
@@ -190,23 +182,31 @@ if triton is not None:
         row_ok = rows < N
         token_ok = tokens < M
         dtype = x_ptr.dtype.element_ty
+        if INT4:  # a tile is taken one group (or one part of a group) at a time: SUB columns
+            if BLOCK_K >= G:
+                SUB: tl.constexpr = G
+            else:
+                SUB: tl.constexpr = BLOCK_K
+            WIDTH: tl.constexpr = SUB // 2
+        else:
+            WIDTH: tl.constexpr = BLOCK_K
         if DOT:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        elif INT4:
-            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 2), dtype=tl.float32)
         else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_N, WIDTH), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             if INT4:
-                even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-                x_even = _activations(x_ptr, xs_ptr, tokens, token_ok, even, even < K, K, HAS_INPUT_SCALE)
-                x_odd = _activations(x_ptr, xs_ptr, tokens, token_ok, even + 1, even + 1 < K, K, HAS_INPUT_SCALE)
-                low, high = _int4_tiles(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, G, BLOCK_N, BLOCK_K)
-                if DOT:
-                    acc = tl.dot(x_even.to(dtype), tl.trans(low.to(dtype)), acc, input_precision=PRECISION)
-                    acc = tl.dot(x_odd.to(dtype), tl.trans(high.to(dtype)), acc, input_precision=PRECISION)
-                else:
-                    acc += low[None, :, :] * x_even[:, None, :] + high[None, :, :] * x_odd[:, None, :]
+                for part in tl.static_range(BLOCK_K // SUB):
+                    k = k0 + part * SUB
+                    even = k + 2 * tl.arange(0, SUB // 2)
+                    x_even = _activations(x_ptr, xs_ptr, tokens, token_ok, even, even < K, K, HAS_INPUT_SCALE)
+                    x_odd = _activations(x_ptr, xs_ptr, tokens, token_ok, even + 1, even + 1 < K, K, HAS_INPUT_SCALE)
+                    low, high = _int4_tiles(w_ptr, s_ptr, z_ptr, rows, row_ok, k, W_STRIDE, NG, G, SUB)
+                    if DOT:
+                        acc = tl.dot(x_even.to(dtype), tl.trans(low.to(dtype)), acc, input_precision=PRECISION)
+                        acc = tl.dot(x_odd.to(dtype), tl.trans(high.to(dtype)), acc, input_precision=PRECISION)
+                    else:
+                        acc += low[None, :, :] * x_even[:, None, :] + high[None, :, :] * x_odd[:, None, :]
             else:
                 cols = k0 + tl.arange(0, BLOCK_K)
                 x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE)
@@ -234,8 +234,8 @@ if triton is not None:
         k0 = tl.program_id(1) * BLOCK_K
         row_ok = rows < N
         out_rows = out_ptr + rows[:, None] * K
-        if INT4:
-            low, high = _int4_tiles(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, G, BLOCK_N, BLOCK_K)
+        if INT4:  # BLOCK_K <= G: the tile lies inside one group
+            low, high = _int4_tiles(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, G, BLOCK_K)
             even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
             tl.store(out_rows + even[None, :], low.to(out_ptr.dtype.element_ty),
                      mask=row_ok[:, None] & (even < K)[None, :])
@@ -252,10 +252,17 @@ if triton is not None:
         return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
     def _fits_registers(configs, named_args, **kwargs):
-        """FMA tiles whose accumulator stays within 128 float32 registers a thread at this BLOCK_M."""
-        rows = kwargs.get("BLOCK_M", named_args.get("BLOCK_M", 1))
-        kept = [c for c in configs
-                if rows * c.kwargs["BLOCK_N"] * c.kwargs["BLOCK_K"] <= 128 * 32 * c.num_warps]
+        """FMA tiles whose accumulator stays within 128 float32 registers a thread at this BLOCK_M (an int4 tile
+        accumulates one group of byte columns at a time), and int4 tiles of at most 8 groups (each group is
+        unrolled)."""
+        rows, group = kwargs.get("BLOCK_M", 1), kwargs.get("G", 1)
+        kept = []
+        for config in configs:
+            block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
+            width = min(block_k, group) // 2 if kwargs.get("INT4") else block_k
+            if rows * block_n * width <= 128 * 32 * config.num_warps and (not kwargs.get("INT4") or
+                                                                          block_k <= 8 * group):
+                kept.append(config)
         return kept or configs[:1]
 
     def _fits_rows(configs, named_args, **kwargs):
