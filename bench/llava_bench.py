@@ -171,7 +171,8 @@ def _measure_ttft(result, hf, decoder, graphed_encoder, image_token, size, devic
                     max_new_tokens=1, min_new_tokens=1, do_sample=False, pad_token_id=0)
 
     result["ttft_ms_ours"] = timed(ours, device, 3, 10)
-    result["ttft_ms_hf"] = timed(theirs, device, 1, 5)
+    if hf is not None:
+        result["ttft_ms_hf"] = timed(theirs, device, 1, 5)
 
 
 def scheduler_decode(decoder: Decoder, prompt: torch.Tensor, steps: int,
@@ -211,6 +212,8 @@ def _measure_decode(result, hf, decoder, batch: int, device, tiny: bool) -> None
     average_context = context + steps / 2
     roofline_bytes = result["weight_GB"] * 1e9 + batch * average_context * kv_bytes_per_token(decoder)
     result[f"decode_ms_bs{batch}_roofline"] = roofline_bytes / (result["copy_TBps"] * 1e12) * 1e3
+    if hf is None:
+        return
 
     mask = torch.ones(batch, context, dtype=torch.long, device=device)
 
@@ -242,7 +245,8 @@ def _measure_throughput(result, hf, decoder, device, tiny: bool) -> None:
                     do_sample=False, pad_token_id=0)
 
     result["throughput_tok_s_ours"] = requests * steps / (timed(ours, device, 1, 3) / 1e3)
-    result["throughput_tok_s_hf"] = requests * steps / (timed(theirs, device, 1, 1) / 1e3)
+    if hf is not None:
+        result["throughput_tok_s_hf"] = requests * steps / (timed(theirs, device, 1, 1) / 1e3)
 
 
 def report(result: dict) -> str:

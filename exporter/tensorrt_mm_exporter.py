@@ -89,6 +89,8 @@ class TensorRTMMExporter(ITritonDeployable):
         nemo_rename_key: Sequence[str] = (),
         audio_frontend: str | None = None,
         video_frame_sampling: str | None = None,
+        quantization: str | None = None,
+        calib_data: str | Path | None = None,
     ) -> None:
         """Write the engine directory (NeMo's arguments; the keyword-only ones are this package's).
 
@@ -96,6 +98,9 @@ class TensorRTMMExporter(ITritonDeployable):
         checkpoint was trained with (see docs/fidelity.md); default the checkpoint's declaration, else ``"nemo-2.5"``.
         ``video_frame_sampling`` (LITA/VITA): ``"training"`` (default) samples frames as NeMo trained the model,
         ``"nemo-export"`` as NeMo's TensorRT export runtime did (see docs/fidelity.md).
+        ``quantization``: store the LLM layers' weights as ``int8_wo``, ``int4_wo``, ``int4_awq`` or ``fp8``
+        (quantized on this exporter's device; see docs/fidelity.md); ``calib_data``: a text file of prompts, one a
+        line, for int4_awq's calibration (default: prompts bundled with the package).
         """
         kind = get_model_type(model_type)
         if kind.modality != self.modality:
@@ -117,7 +122,8 @@ class TensorRTMMExporter(ITritonDeployable):
                       llm_checkpoint_path=llm_checkpoint_path, llm_model_type=llm_model_type, limits=limits,
                       dtype=dtype, vision_tower_path=vision_tower_path, tokenizer_path=tokenizer_path,
                       export_onnx=export_onnx, rename_keys=tuple(nemo_rename_key), audio_frontend=audio_frontend,
-                      video_frame_sampling=video_frame_sampling)
+                      video_frame_sampling=video_frame_sampling,
+                      quantization=quantization, calib_data=calib_data, device=self.device)
         if load_model:
             self._load()
 

@@ -94,6 +94,9 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
      "SALM: the NeMo release whose audio front end the checkpoint was trained with (default: its declaration, else nemo-2.5)"),
     (None, "--video_frame_sampling", str, ("training", "nemo-export"), None,
      "LITA/VITA: sample video frames as the model was trained (default) or as NeMo's TensorRT export runtime did"),
+    (None, "--quantization", str, None, None,
+     "store the LLM layers' weights quantized: int8_wo, int4_wo, int4_awq (calibrated on --calib_data) or fp8"),
+    (None, "--calib_data", str, None, None, "int4_awq: calibration prompts, a text file, one a line (default: bundled)"),
     (None, "--openai_port", int, None, None, "port of an OpenAI-compatible HTTP API (/v1/chat/completions)"),
     (None, "--openai_address", str, None, None, "address the OpenAI API listens on (default: --triton_http_address)"),
     (None, "--openai_max_request_bytes", int, None, None,
@@ -208,6 +211,12 @@ def _validate(settings: dict) -> None:
         raise ValueError(
             "no model name: give -tmn/--triton_model_name or set triton_model_name in the config"
         )
+    if (settings["quantization"] or settings["calib_data"]) and not settings["visual_checkpoint"]:
+        raise ValueError("--quantization and --calib_data apply to an export: give -vc/--visual_checkpoint too")
+    if settings["quantization"]:
+        from exporter.llm.config import QuantConfig  # the exporter only when asked (the script starts without it)
+
+        QuantConfig(settings["quantization"])  # an unknown method fails here, naming the supported ones
     if settings["visual_checkpoint"] and not settings["model_type"]:
         raise ValueError("exporting a checkpoint needs -mt/--model_type")
     if settings["model_type"]:
@@ -272,7 +281,8 @@ def _export_arguments(settings: argparse.Namespace) -> dict:
         "max_lora_rank": settings.max_lora_rank,
         "lora_checkpoint_path": settings.lora_checkpoint_path,
     }
-    for name in ("vision_tower_path", "tokenizer_path", "audio_frontend", "video_frame_sampling"):
+    for name in ("vision_tower_path", "tokenizer_path", "audio_frontend", "video_frame_sampling", "quantization",
+                 "calib_data"):
         if getattr(settings, name) is not None:
             arguments[name] = getattr(settings, name)
     return arguments

@@ -10,6 +10,7 @@ Layout (docs/engine_format.md)::
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -21,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from ..checkpoint import NemoCheckpoint
 from ..llm.config import DecoderConfig
 from ..llm.model import Decoder, select_llm_weights
+from ..llm.quant.convert import ExportQuantization
 from ..llm.tokenizer import Tokenizer, load_saved_tokenizer
 from ..lora import merge_lora
 from ..media_safety import MediaPolicy
@@ -65,9 +67,16 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
                   limits: EngineLimits | None = None, dtype: str = "bfloat16",
                   vision_tower_path: str | None = None, tokenizer_path: str | None = None,
                   export_onnx: bool = False, rename_keys: tuple[str, ...] = (),
-                  audio_frontend: str | None = None, video_frame_sampling: str | None = None) -> dict[str, Any]:
-    """Write a new engine into the empty folder `model_dir`; return its manifest."""
+                  audio_frontend: str | None = None, video_frame_sampling: str | None = None,
+                  quantization: str | None = None, calib_data: str | Path | None = None,
+                  device: str = "cpu") -> dict[str, Any]:
+    """Write a new engine into the empty folder `model_dir`; return its manifest.
+
+    ``quantization`` (``int8_wo``, ``int4_wo``, ``int4_awq``, ``fp8``) stores the LLM layers' weights quantized,
+    computed on ``device``; ``calib_data``: int4_awq's calibration prompts (a text file, one per line)."""
     kind = get_model_type(model_type)
+    quantizer = None if quantization is None and calib_data is None else \
+        ExportQuantization.from_options(quantization, calib_data, device)
     target = torch_dtype(dtype)
     limits = limits or EngineLimits()
     checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
@@ -93,8 +102,9 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
     if not llm_weights:
         raise EngineError(f"{llm_checkpoint.path} holds no LLM weights; give the LLM checkpoint as "
                           "llm_checkpoint_path (-lc/--llm_checkpoint)")
-    _write_llm(model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target)
     tokenizer = llm_checkpoint.tokenizer(tokenizer_path=tokenizer_path)
+    llm_config = _write_llm(model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target,
+                            None if quantizer is None else lambda config, w: quantizer.apply(config, w, tokenizer))
     tokenizer_description = tokenizer.save(model_dir / LLM_DIR)
     (model_dir / LLM_DIR / "tokenizer_description.json").write_text(json.dumps(tokenizer_description, indent=2))
     (model_dir / LLM_DIR / "template.json").write_text(json.dumps(kind.chat_template(config).to_dict(), indent=2))
@@ -105,6 +115,7 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
         "modality": kind.modality,
         "llm_model_type": llm_model_type,
         "dtype": dtype,
+        "quantization": llm_config.to_dict()["quantization"],
         "limits": limits.to_dict(),
         "features_per_item": perception_facts["features_per_item"],
         "source": _describe_source(visual_checkpoint_path, llm_checkpoint_path),
@@ -115,16 +126,22 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
     return manifest
 
 
-def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """Cast the decoder weights one tensor at a time (never two full copies) and save them with the config."""
+def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+               quantize: Callable[[DecoderConfig, dict[str, torch.Tensor]], DecoderConfig] | None = None
+               ) -> DecoderConfig:
+    """Cast the decoder weights one tensor at a time (never two full copies), quantize them if asked, and save
+    them with the config (returned)."""
     directory.mkdir(parents=True, exist_ok=True)
     vocab_size = int(weights["embedding.word_embeddings.weight"].shape[0])
     decoder_config = DecoderConfig.from_nemo(model_config, vocab_size=vocab_size)
     for name in list(weights):
         weights[name] = weights.pop(name).to(dtype).contiguous()
+    if quantize is not None:
+        decoder_config = quantize(decoder_config, weights)
     Decoder.from_state_dict(decoder_config, {k: v.to("meta") for k, v in weights.items()})  # names/shapes check
     (directory / "config.json").write_text(json.dumps(decoder_config.to_dict(), indent=2))
     save_file(weights, str(directory / "model.safetensors"))
+    return decoder_config
 
 
 def _describe_source(*paths: str | Path | None) -> list[dict[str, str]]:

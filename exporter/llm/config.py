@@ -27,6 +27,10 @@ GELU_APPROXIMATIONS = ("none", "tanh")
 ROUTER_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 #: `name` of NeMo-1 Falcon configs: NeMo builds its Falcon layer (parallel attention + MLP) only for this name.
 FALCON_SPEC_NAME = "megatron_falcon_gpt"
+# How the decoder layers' linear weights may be stored (exporter/llm/quant): int8 per output channel, int4 in
+# groups along the input (plain or activation-aware), FP8 e4m3 per output channel.
+QUANT_METHODS = ("int8_wo", "int4_wo", "int4_awq", "fp8")
+INT4_GROUP_SIZES = (128, 64, 32)
 
 
 def _supported(field: str, value: Any, allowed: tuple[str, ...] | list[str]) -> None:
@@ -34,6 +38,29 @@ def _supported(field: str, value: Any, allowed: tuple[str, ...] | list[str]) -> 
         raise ValueError(
             f"model config {field}={value!r} is not supported; supported values: {', '.join(allowed)}"
         )
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """How the decoder layers' QKV, proj, fc1 and fc2 weights are stored; embedding, head and norms keep the
+    model dtype. `group_size` (int4 methods only, default 128) is the preferred group along the input; a layer
+    whose input width it does not divide uses the largest of 128/64/32 that does, else 32 with zero padding."""
+
+    method: str
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANT_METHODS:
+            raise ValueError(f"quantization {self.method!r} is not supported; supported values: "
+                             f"{', '.join(QUANT_METHODS)}")
+        if self.method.startswith("int4"):
+            if self.group_size is None:
+                object.__setattr__(self, "group_size", INT4_GROUP_SIZES[0])
+            if self.group_size not in INT4_GROUP_SIZES:
+                raise ValueError(f"quantization group_size {self.group_size!r} is not supported; supported values: "
+                                 f"{', '.join(map(str, INT4_GROUP_SIZES))}")
+        elif self.group_size is not None:
+            raise ValueError(f"quantization {self.method} takes no group_size (got {self.group_size})")
 
 
 @dataclass(frozen=True)
@@ -54,6 +81,7 @@ class DecoderConfig:
     top-k; else top-k logits, then their softmax; `moe_router_score_function` "sigmoid": top-k sigmoids,
     normalised), weights scaled by `moe_router_topk_scaling_factor`; each expert's MLP has
     `moe_ffn_hidden_size` (default `ffn_hidden_size`).
+    `quantization`: how the layers' linear weights are stored (None: in the model dtype).
     """
 
     num_layers: int
@@ -85,8 +113,11 @@ class DecoderConfig:
     moe_router_score_function: str = "softmax"
     moe_router_topk_scaling_factor: float | None = None
     moe_ffn_hidden_size: int | None = None
+    quantization: QuantConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.quantization is not None and not isinstance(self.quantization, QuantConfig):
+            raise ValueError(f"quantization must be a QuantConfig or None, got {self.quantization!r}")
         _supported("normalization", self.normalization, ("layernorm", "rmsnorm"))
         _supported("activation", self.activation, sorted(set(ACTIVATIONS.values())))
         _supported("position_embedding_type", self.position_embedding_type, POSITION_EMBEDDINGS)
@@ -207,6 +238,9 @@ class DecoderConfig:
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown decoder config fields {unknown}; known fields: {sorted(known)}")
+        quantization = values.get("quantization")
+        if quantization is not None:
+            values = {**values, "quantization": QuantConfig(**quantization)}
         return cls(**values)
 
 

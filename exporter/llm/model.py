@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from .config import DecoderConfig
 from .gemv import linear
 from .moe import expert_mlp, route
+from .quant.linear import QuantLinear
 
 # GELU ("gelu", "geglu") is applied with the config's approximation; "openai-gelu" is always the tanh form.
 _ACTIVATION_FUNCTIONS = {
@@ -33,6 +34,7 @@ _ACTIVATION_FUNCTIONS = {
 # perception) is someone else's.
 _LLM_KEY_PREFIXES = ("decoder.", "output_layer.")
 _LLM_EMBEDDING_KEYS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what `dtype` casts (not int8/uint8/float8 weights)
 
 
 def select_llm_weights(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -214,6 +216,13 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
+def _layer_linear(config: DecoderConfig, in_features: int, out_features: int) -> Linear | QuantLinear:
+    """A decoder layer's linear module: its weight in the model dtype, or stored as `config.quantization` says."""
+    if config.quantization is None:
+        return Linear(in_features, out_features, bias=config.bias)
+    return QuantLinear(in_features, out_features, config.bias, config.quantization)
+
+
 class Norm(nn.Module):
     """LayerNorm (weight + bias) or RMSNorm (weight); zero-centred γ stores γ-1 (NeMo `layernorm1p`)."""
 
@@ -283,8 +292,8 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
         qkv_rows = (self.heads + 2 * self.groups) * self.head_dim
-        self.linear_qkv = Linear(config.hidden_size, qkv_rows, bias=config.bias)
-        self.linear_proj = Linear(self.heads * self.head_dim, config.hidden_size, bias=config.bias)
+        self.linear_qkv = _layer_linear(config, config.hidden_size, qkv_rows)
+        self.linear_proj = _layer_linear(config, self.heads * self.head_dim, config.hidden_size)
 
     def forward(self, x: Tensor, attention: _Attention) -> Tensor:
         batch, length, _ = x.shape
@@ -310,8 +319,8 @@ class MLP(nn.Module):
         super().__init__()
         self.activation = (config.activation, config.gated, config.gelu_approximation)
         fc1_rows = 2 * config.ffn_hidden_size if config.gated else config.ffn_hidden_size
-        self.linear_fc1 = Linear(config.hidden_size, fc1_rows, bias=config.bias)
-        self.linear_fc2 = Linear(config.ffn_hidden_size, config.hidden_size, bias=config.bias)
+        self.linear_fc1 = _layer_linear(config, config.hidden_size, fc1_rows)
+        self.linear_fc2 = _layer_linear(config, config.ffn_hidden_size, config.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.linear_fc1(x)
@@ -429,7 +438,8 @@ class Decoder(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> Decoder:
-        """Build on the meta device and take the given tensors as parameters (cast/moved only if asked)."""
+        """Build on the meta device and take the given tensors as parameters (cast/moved only if asked; quantized
+        weights keep their stored dtype, their scales take `dtype`)."""
         with torch.device("meta"):
             model = cls(config)
         shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
@@ -443,7 +453,8 @@ class Decoder(nn.Module):
         if wrong:
             raise ValueError("tensor shapes do not match the model config (check num_query_groups, kv_channels, "
                              "ffn_hidden_size, num_moe_experts):\n" + "\n".join(sorted(wrong)[:8]))
-        weights = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+        weights = {k: v.to(device=device, dtype=dtype if v.dtype in _FLOAT_DTYPES else None)
+                   for k, v in state_dict.items()}
         model.load_state_dict(weights, strict=True, assign=True)
         return model.requires_grad_(False).eval()
 
