@@ -205,3 +205,9 @@ def test_without_triton_the_reference_runs_and_the_interpreter_test_skips(tmp_pa
                            timeout=300)
     assert child.returncode == pytest.ExitCode.NO_TESTS_COLLECTED, child.stdout[-3000:] + child.stderr[-3000:]
     assert "1 skipped" in child.stdout and "could not import 'triton'" in child.stdout
+
+
+def test_mixture_of_experts_is_refused_with_a_clear_error():
+    config = dataclasses.replace(_tiny("int8_wo")[1], quantization=None, bias=False, num_moe_experts=4)
+    with pytest.raises(ValueError, match="mixtures of 4 experts; export it without quantization"):
+        quantize_decoder_weights(config, {}, QuantConfig("int8_wo"))

@@ -24,6 +24,9 @@ def quantize_decoder_weights(config: DecoderConfig, weights: dict[str, Tensor], 
     Each weight is quantized on `device` (default: where it is) and comes back to where it was, so only one float
     weight at a time is copied. `int4_awq` first runs the float model on `calibration_ids [R, L]` on `device`
     (which then holds a float copy of the decoder while it calibrates)."""
+    if config.num_moe_experts:
+        raise ValueError("quantization covers dense layers only, and this checkpoint's MLPs are mixtures of "
+                         f"{config.num_moe_experts} experts; export it without quantization")
     channel_scales: dict[str, Tensor] = {}
     if quantization.method == "int4_awq":
         if calibration_ids is None:
