@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from deploy import DeployPyTriton
 from deploy.startup import DeployError, check_model_repository, check_port_free
-from deploy.triton_deployable import MODEL_TYPE_MODALITY, modality_of, stream_model_name
+from wire import MODEL_TYPE_MODALITY, modality_of, stream_model_name
 
 LOGGER = logging.getLogger("deploy_triton")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
