@@ -21,6 +21,7 @@ Around Triton:
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import signal
@@ -43,14 +44,23 @@ from deploy.startup import (
     ensure_libpython_on_library_path,
     free_port,
     pick_metrics_port,
+    raise_stack_limit_for_triton,
 )
-from deploy.triton_errors import BAD_REQUEST, INTERNAL, UNAVAILABLE, RequestFailed, client_failure
+from deploy.triton_errors import (
+    BAD_REQUEST,
+    INPUT_CAPS_FILE,
+    INTERNAL,
+    UNAVAILABLE,
+    RequestFailed,
+    client_failure,
+)
 from wire import default_warmup_request, stream_model_name
 
 LOGGER = logging.getLogger(__name__)
 
 # Models are written into Triton's repository and loaded when Triton starts, before its ports open.
 _LOCAL_MODELS = TritonLifecyclePolicy(launch_triton_on_startup=False, local_model_store=True)
+_MONITOR_INTERVAL_S = 0.5
 _BACKEND_FILES = {"model.py": "triton_stub_model.py", "triton_errors.py": "triton_errors.py"}
 
 
@@ -128,12 +138,15 @@ class DeployPyTriton:
         self.triton = self._bound_triton()
 
     def serve(self) -> None:
-        """Start Triton (unless `run` did) and block until it stops (Ctrl-C or SIGTERM), then clean up."""
+        """Start Triton (unless `run` did) and block until Ctrl-C or SIGTERM, then clean up; DeployError if Triton
+        exits on its own."""
         in_main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
         try:
             self.run()
-            self.triton.serve()
+            while self.triton.is_alive():
+                time.sleep(_MONITOR_INTERVAL_S)
+            raise DeployError("Triton exited unexpectedly; see its log above")
         except KeyboardInterrupt:
             LOGGER.info("interrupted, stopping")
         finally:
@@ -148,8 +161,12 @@ class DeployPyTriton:
         if self._running:
             return
         self._guard = ProcessGuard(self._workspace.path)
+        raise_stack_limit_for_triton()
         try:
-            self.triton.run()
+            try:
+                self.triton.run()
+            except Exception as error:
+                raise DeployError(f"Triton did not start ({type(error).__name__}: {error}); see its log above") from error
             self._metrics_server = MetricsServer(self.metrics, self.address, self.metrics_port,
                                                  f"http://127.0.0.1:{self._triton_metrics_port}/metrics")
             self._metrics_server.start()
@@ -209,11 +226,14 @@ class DeployPyTriton:
         return triton
 
     def _install_backend_model(self, name: str) -> None:
-        """Put this package's backend model (clean errors) in front of PyTriton's in Triton's repository."""
+        """Put this package's backend model (clean errors, input byte caps) in front of PyTriton's in Triton's
+        repository."""
         folder = self._workspace.model_store_path / name / str(self.triton_model_version)
         (folder / "model.py").rename(folder / "pytriton_model.py")
         for target, source in _BACKEND_FILES.items():
             shutil.copyfile(Path(__file__).with_name(source), folder / target)
+        caps = getattr(self.model, "triton_input_byte_caps", dict)()
+        (folder / INPUT_CAPS_FILE).write_text(json.dumps(caps))
 
     def _check_ports(self) -> None:
         ports = []

@@ -13,7 +13,6 @@ import logging
 import queue
 import socket
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,7 +24,6 @@ from prometheus_client.registry import Collector
 
 LOGGER = logging.getLogger(__name__)
 
-ERROR_KINDS = {400: "bad_request", 500: "internal", 503: "unavailable"}
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
 _WATCH_INTERVAL_S = 0.05
@@ -59,10 +57,12 @@ class ServerMetrics:
         self._unobserve = lambda: None
 
     def count(self, kind: str, status: int) -> None:
-        """Count one answered request of `kind` with its HTTP-like status (200, 400, 500, 503)."""
+        """Count one answered request of `kind` with its HTTP status (a 4xx counts as `bad_request`, 503 as
+        `unavailable`, another 5xx as `internal`)."""
         self.requests.labels(kind).inc()
         if status >= 400:
-            self.errors.labels(kind, ERROR_KINDS.get(status, str(status))).inc()
+            error = "bad_request" if status < 500 else "unavailable" if status == 503 else "internal"
+            self.errors.labels(kind, error).inc()
 
     def text(self) -> bytes:
         """The metrics in Prometheus' text format."""
@@ -76,6 +76,33 @@ class ServerMetrics:
         self.time_to_first_token.observe(handle.first_token_at - handle.submitted_at)
         if tokens > 1 and handle.finished_at is not None:
             self.time_per_output_token.observe((handle.finished_at - handle.first_token_at) / (tokens - 1))
+
+
+class CountRequests:
+    """ASGI middleware counting the requests to paths under `prefix` as `kind`, with their response status (as the
+    response starts)."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics, kind: str, prefix: str):
+        self.app, self.metrics, self.kind, self.prefix = app, metrics, kind, prefix
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(self.prefix):
+            await self.app(scope, receive, send)
+            return
+        counted = False
+
+        async def send_counted(message: dict) -> None:
+            nonlocal counted
+            if message["type"] == "http.response.start" and not counted:
+                counted = True
+                self.metrics.count(self.kind, message["status"])
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            if not counted:  # the app failed before it answered
+                self.metrics.count(self.kind, 500)
 
 
 class _EngineCollector(Collector):
@@ -133,14 +160,18 @@ class _HandleWatcher:
                 pending.append(self._added.get())
             while not self._added.empty():
                 pending.append(self._added.get())
-            for handle in [h for h in pending if h.done]:
+            running = []
+            for handle in pending:
+                if not handle.done:
+                    running.append(handle)
+                    continue
                 try:
                     self._on_finished(handle)
                 except Exception:  # noqa: BLE001 - a metric must never stop the watcher
                     LOGGER.exception("recording a request's metrics failed")
-            pending = [h for h in pending if not h.done]
+            pending = running
             if pending:
-                time.sleep(_WATCH_INTERVAL_S)
+                pending[0].wait(_WATCH_INTERVAL_S)
 
 
 class MetricsServer:

@@ -135,8 +135,8 @@ def _shared_memory_of(pid: int) -> set[str]:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
         return set()
-    return {line.split(None, 5)[5] for line in maps.splitlines()
-            if line.count(" ") >= 5 and line.split(None, 5)[5].startswith(str(SHM_DIR) + "/")}
+    fields = (line.split(None, 5) for line in maps.splitlines())
+    return {parts[5] for parts in fields if len(parts) == 6 and parts[5].startswith(f"{SHM_DIR}/")}
 
 
 def _finish(owner: int, workspace: str, tracked: dict[int, int]) -> None:

@@ -22,6 +22,8 @@ TRITON_CODES = {BAD_REQUEST: "INVALID_ARG", INTERNAL: "INTERNAL", UNAVAILABLE: "
 """Client status -> the `TritonError` code that Triton maps to that HTTP status and gRPC code."""
 
 UNKNOWN_FAILURE = "internal server error; the server log has the details"
+INPUT_CAPS_FILE = "input_caps.json"
+"""Next to the backend model: input name -> the most bytes that input of one request may hold."""
 MAX_MESSAGE_CHARS = 400
 
 _MARKER = "nemo-mm-deploy status="

@@ -6,7 +6,9 @@ Triton's model repository as `model.py`, next to PyTriton's own proxy model (ren
 
 - a failed request is answered with its one-line message and its status's error code (see `triton_errors`),
   never with a traceback;
-- a request with an empty input tensor is refused naming the input (PyTriton's transfer cannot carry one);
+- a request with an empty input tensor, or an input over its byte cap (`input_caps.json`, written by
+  `DeployPyTriton` from the model's `triton_input_byte_caps`), is refused naming the input, before PyTriton
+  hands the tensors to the serving process (PyTriton's transfer cannot carry an empty one);
 - the instances other than the first wait for the first one's handshake socket, so a slow start on a busy machine
   does not fail the load.
 """
@@ -18,7 +20,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from . import pytriton_model as _pytriton
-from .triton_errors import BAD_REQUEST, INTERNAL, TRITON_CODES, UNKNOWN_FAILURE, parse_failure
+from .triton_errors import BAD_REQUEST, INPUT_CAPS_FILE, INTERNAL, TRITON_CODES, UNKNOWN_FAILURE, parse_failure
 
 HANDSHAKE_WAIT_S = 300.0
 
@@ -49,12 +51,19 @@ class _ProxyUtils:
 _pytriton.pb_utils = _ProxyUtils()
 
 
-def _empty_input(request):
-    """The error for a request with an empty input tensor, or None."""
+def _refusal(request, caps):
+    """The error for a request with an empty input tensor or an input over its byte cap, or None."""
     for tensor in request.inputs():
-        shape = list(tensor.as_numpy().shape)
-        if 0 in shape:
-            return _error(BAD_REQUEST, f"input {tensor.name()} is empty (shape {shape}); send a value or leave it out")
+        array = tensor.as_numpy()
+        if array.size == 0:
+            return _error(BAD_REQUEST, f"input {tensor.name()} is empty (shape {list(array.shape)}); "
+                                       "send a value or leave it out")
+        cap = caps.get(tensor.name())
+        if cap is not None:
+            size = sum(len(item) for item in array.flat) if array.dtype == object else array.nbytes
+            if size > cap:
+                return _error(BAD_REQUEST, f"input {tensor.name()} is {size} bytes, over this server's cap of {cap} "
+                                           "bytes per request")
     return None
 
 
@@ -62,6 +71,7 @@ class TritonPythonModel(_pytriton.TritonPythonModel):
     """PyTriton's proxy model (see the module doc for what differs)."""
 
     def initialize(self, args):
+        self._caps = json.loads(pathlib.Path(__file__).with_name(INPUT_CAPS_FILE).read_text())
         name = args["model_instance_name"]
         if name != "_".join(name.split("_")[:-1] + ["0"]):  # PyTriton's test for the first instance
             config = json.loads(args["model_config"])
@@ -73,7 +83,7 @@ class TritonPythonModel(_pytriton.TritonPythonModel):
         super().initialize(args)
 
     def execute(self, requests):
-        refused = [_empty_input(request) for request in requests]
+        refused = [_refusal(request, self._caps) for request in requests]
         accepted = [request for request, error in zip(requests, refused) if error is None]
         if self._decoupled_model:
             for request, error in zip(requests, refused):

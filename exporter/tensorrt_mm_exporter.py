@@ -217,6 +217,10 @@ class TensorRTMMExporter(ITritonDeployable):
         finally:
             pieces.close()
 
+    def triton_input_byte_caps(self) -> dict[str, int]:
+        """Per-request byte caps of the inputs, from the engine's limits and the media policy."""
+        return self._wire_limits().input_byte_caps()
+
     def _wire_limits(self) -> WireLimits:
         """The caps a Triton request is checked against before anything in it is decoded."""
         limits = self._require_pipeline().engine.limits

@@ -73,6 +73,8 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     ("-lcp", "--lora_checkpoint_path", str, None, None, "directory of the LoRA checkpoint"),
     ("-mlr", "--max_lora_rank", int, None, 64, "max LoRA rank"),
     (None, "--grpc_port", int, None, 8001, "gRPC port of the Triton server"),
+    (None, "--metrics_port", int, None, None,
+     "port of the Prometheus metrics (this server's and Triton's; default: --triton_port + 2, or a free port)"),
     (
         None,
         "--device",
@@ -285,14 +287,18 @@ def media_policy(settings: argparse.Namespace):
     )
 
 
-def start_openai_server(settings: argparse.Namespace, exporter):
-    """The OpenAI-compatible API over `exporter`, listening (None without --openai_port)."""
+def start_openai_server(settings: argparse.Namespace, deployer: DeployPyTriton):
+    """The OpenAI-compatible API over the deployed model, listening (None without --openai_port); its requests
+    are counted in the server's metrics."""
     if settings.openai_port is None:
         return None
+    from deploy.metrics import CountRequests
     from deploy.openai_api import create_app
     from deploy.openai_server import OpenAIServer
 
-    app = create_app(exporter, settings.triton_model_name, media_policy(settings), settings.openai_max_request_bytes)
+    app = create_app(deployer.model, settings.triton_model_name, media_policy(settings),
+                     settings.openai_max_request_bytes)
+    app.add_middleware(CountRequests, metrics=deployer.metrics, kind="openai", prefix="/v1/chat/completions")
     server = OpenAIServer(app, host=settings.openai_address or settings.triton_http_address, port=settings.openai_port)
     server.start()
     return server
@@ -326,10 +332,12 @@ def main(argv: list[str] | None = None) -> int:
             grpc_port=settings.grpc_port,
             address=address,
             streaming=settings.streaming,
+            metrics_port=settings.metrics_port,
         )
         deployer.deploy()
         try:
-            openai_server = start_openai_server(settings, deployer.model)
+            deployer.run()  # Triton is up: the OpenAI front says ready only now
+            openai_server = start_openai_server(settings, deployer)
         except (DeployError, ValueError):
             deployer.stop()
             raise
@@ -346,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         deployer.serve()
+    except DeployError as error:
+        print(f"deploy_triton.py: error: {error}", file=sys.stderr)
+        return 1
     finally:
         if openai_server is not None:
             openai_server.stop()

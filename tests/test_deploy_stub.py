@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -23,6 +24,7 @@ from conftest import stop_server, wait_until_ready
 from deploy import DeployError, DeployPyTriton, PortInUseError
 from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
+from serving_support import assert_short_error, grpc_infer, http_infer, json_tensor
 from stub_model import StubMultimodalModel, describe_pixels, expected_answer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -152,6 +154,85 @@ def test_http_error_status_for_a_failed_request(server):
     assert json.loads(failure.value.read()) == {"error": "ValueError: temperature must be > 0, got -1.0"}
 
 
+TEXT = np.array([[b"hi"]], dtype=object)
+ERROR_CASES = {  # inputs, HTTP status, gRPC code, message (None: Triton's own words, checked for shortness only)
+    "bad parameter": ({"input_text": TEXT, "temperature": np.array([[0.0]], np.float32)}, 400, "INVALID_ARGUMENT",
+                      "ValueError: temperature must be > 0, got 0.0"),
+    "model fault": ({"input_text": np.array([[b"crash now"]], dtype=object)}, 500, "INTERNAL",
+                    "internal server error: RuntimeError: the stub crashed in <path>"),
+    "zero-size media": ({"input_text": TEXT, "input_media": np.zeros((1, 1, 0, 0, 3), np.uint8)}, 400,
+                        "INVALID_ARGUMENT",
+                        "input input_media is empty (shape [1, 1, 0, 0, 3]); send a value or leave it out"),
+    "empty media bytes": ({"input_text": TEXT, "input_media_bytes": np.array([[b""]], dtype=object)}, 400,
+                          "INVALID_ARGUMENT", "WireError: input_media_bytes of row 0 is empty; send an encoded media file"),
+    "undecodable image": ({"input_text": TEXT, "input_media_bytes": np.array([[b"\x89PNG broken"]], dtype=object)},
+                          400, "INVALID_ARGUMENT",
+                          "ValueError: input_media_bytes is not a decodable image (UnidentifiedImageError)"),
+    "invalid UTF-8": ({"input_text": np.array([[b"\xff\xfe"]], dtype=object)}, None, "INVALID_ARGUMENT",
+                      "WireError: input_text of row 0 is not valid UTF-8 ('utf-8' codec can't decode byte 0xff in "
+                      "position 0: invalid start byte)"),
+    "no prompt": ({"max_output_len": np.array([[3]])}, 400, "INVALID_ARGUMENT", None),
+    "unknown input": ({"input_text": TEXT, "input_nonsense": np.array([[3]])}, 400, "INVALID_ARGUMENT", None),
+}
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_errors_are_one_short_line_with_their_status(server, case):
+    """Each failure reaches HTTP and gRPC clients as one line (no traceback, no server paths) with its status."""
+    _, http_url, grpc_url, deployer = server
+    inputs, http_status, grpc_code, message = ERROR_CASES[case]
+    code, grpc_message = grpc_infer(grpc_url, MODEL, inputs)
+    assert code == grpc_code, grpc_message
+    assert_short_error(grpc_message)
+    if message is not None:
+        assert grpc_message == message
+    if http_status is not None:
+        status, body = http_infer(http_url, MODEL, [json_tensor(name, value) for name, value in inputs.items()])
+        assert status == http_status, body
+        assert_short_error(body["error"])
+        if message is not None:
+            assert body["error"] == message
+    assert grpc_infer(grpc_url, MODEL, {"input_text": TEXT})[0] == "OK"  # the server keeps serving
+    assert deployer.triton.is_alive()
+
+
+def test_out_of_range_uint8_json_values_arrive_wrapped(server):
+    """Triton's JSON parser stores 300 in a UINT8 tensor as 300 mod 256 = 44; a negative value is refused."""
+    http_url = server[1]
+    wrapped = {"name": "input_media", "shape": [1, 1, 1, 1, 3], "datatype": "UINT8", "data": [300, 256, 511]}
+    status, body = http_infer(http_url, MODEL, [json_tensor("input_text", TEXT), wrapped])
+    assert status == 200 and body["outputs"][0]["data"][0] == expected_answer("hi", "mean=44,0,255|size=1x1|frames=1")
+    negative = {**wrapped, "data": [-1, 0, 0]}
+    status, body = http_infer(http_url, MODEL, [json_tensor("input_text", TEXT), negative])
+    assert status >= 400
+    assert_short_error(body["error"])
+
+
+def test_metrics_on_the_metrics_port(server):
+    """Requests and errors by kind, and Triton's own metrics, read from the running server's metrics port."""
+    _, http_url, grpc_url, deployer = server
+    before = _metric(deployer, 'nemo_mm_requests_total{kind="infer"}')
+    bad_before = _metric(deployer, 'nemo_mm_request_errors_total{error="bad_request",kind="infer"}')
+    assert grpc_infer(grpc_url, MODEL, {"input_text": TEXT})[0] == "OK"
+    assert grpc_infer(grpc_url, MODEL, ERROR_CASES["bad parameter"][0])[0] == "INVALID_ARGUMENT"
+    text = _metrics_text(deployer)
+    assert _metric(deployer, 'nemo_mm_requests_total{kind="infer"}', text) == before + 2
+    assert _metric(deployer, 'nemo_mm_request_errors_total{error="bad_request",kind="infer"}', text) == bad_before + 1
+    assert 'nv_inference_request_success{model="stub",version="1"}' in text  # Triton's, on the same port
+
+
+def _metrics_text(deployer: DeployPyTriton) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{deployer.metrics_port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def _metric(deployer: DeployPyTriton, name: str, text: str | None = None) -> float:
+    for line in (text or _metrics_text(deployer)).splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_port_in_use_is_reported_before_start():
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
@@ -258,6 +339,83 @@ def test_scripts_serve_and_query_from_plain_python(tmp_path):
     finally:
         stop_server(server, 60)
     assert server.returncode == 0
+
+
+def _stub_script_server(tmp_path: Path, http_port: int, grpc_port: int, log: Path) -> subprocess.Popen:
+    """deploy_triton.py serving the stub (shadowing the exporter) with two instances, its output in `log`."""
+    if not (tmp_path / "exporter").exists():
+        _write_fake_exporter(tmp_path)
+        (tmp_path / "repo").mkdir()
+        (tmp_path / "repo" / "manifest.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO / "tests"), str(REPO)])
+    command = [sys.executable, str(REPO / "scripts/deploy_triton.py"), "-tmn", MODEL, "-tmr", str(tmp_path / "repo"),
+               "-trp", str(http_port), "--grpc_port", str(grpc_port), "-tha", "127.0.0.1", "-mbs", "2"]
+    with log.open("w") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _first_ready_answer(process: subprocess.Popen, http_url: str, timeout_s: float = 240) -> tuple[int, dict]:
+    """Poll /v2/health/ready every 20 ms; the moment it says 200, send a request and return its answer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "deploy_triton.py exited"
+        try:
+            with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=1) as response:
+                if response.status == 200:
+                    return http_infer(http_url, MODEL, [json_tensor("input_text", TEXT)])
+        except OSError:
+            pass
+        time.sleep(0.02)
+    raise AssertionError("the server never became ready")
+
+
+def _workspaces_of(pid: int) -> list[Path]:
+    from pytriton.constants import PYTRITON_HOME
+
+    return list(PYTRITON_HOME.glob(f"nemo-mm-deploy-{pid}-*"))
+
+
+def _processes_running_from(folder: Path) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.readlink(entry / "exe").startswith(str(folder)):
+                pids.append(int(entry.name))
+        except OSError:
+            pass
+    return pids
+
+
+def test_ready_means_answering_and_a_restart_after_sigkill_gets_the_same_ports(tmp_path):
+    """The first request after /v2/health/ready says 200 succeeds; after SIGKILL of deploy_triton.py, Triton's
+    processes, shared memory and workspace are gone within seconds and a restart at once serves on the same ports."""
+    http_port, grpc_port = free_port(), free_port()
+    http_url = f"127.0.0.1:{http_port}"
+    first = _stub_script_server(tmp_path, http_port, grpc_port, tmp_path / "first.log")
+    second = None
+    try:
+        assert _first_ready_answer(first, http_url) == (200, {
+            "model_name": MODEL, "model_version": "1", "outputs": [
+                {"name": "outputs", "datatype": "BYTES", "shape": [1, 1], "data": [expected_answer("hi", "no-media")]}]})
+        (workspace,) = _workspaces_of(first.pid)
+        assert _processes_running_from(workspace)  # tritonserver and its backend processes
+        first.kill()
+        first.wait(10)
+        second = _stub_script_server(tmp_path, http_port, grpc_port, tmp_path / "second.log")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (workspace.exists() or _processes_running_from(workspace)):
+            time.sleep(0.1)
+        assert not workspace.exists() and not _processes_running_from(workspace)
+        assert not list(Path("/dev/shm").glob(f"pytrtion{first.pid}-*"))
+        status, body = _first_ready_answer(second, http_url)
+        assert status == 200, (body, (tmp_path / "second.log").read_text()[-3000:])
+        assert grpc_infer(f"grpc://127.0.0.1:{grpc_port}", MODEL, {"input_text": TEXT})[0] == "OK"
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                stop_server(process, 60)
+    assert second.returncode == 0
 
 
 def test_script_refuses_a_missing_repository(tmp_path, capsys):

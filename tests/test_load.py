@@ -31,6 +31,7 @@ from pytriton.client.exceptions import PyTritonClientInferenceServerError
 from conftest import load_demo_builder, stop_server, wait_until_ready
 from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
+from serving_support import assert_short_error
 from test_serve_demo import COLOR_Q, DEMO_NEMO, MODEL, REPO, SHAPE_Q
 
 CONCURRENT = 64
@@ -47,7 +48,8 @@ class Server:
     openai: str
 
     def rss(self) -> int:
-        """Resident memory of the server process (the model, the batcher and the OpenAI front live there)."""
+        """Resident memory of the server process (the model, the Triton callables and the OpenAI front live
+        there)."""
         for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
@@ -178,7 +180,13 @@ def mixed_jobs() -> list[Job]:
 
 
 def check_invalid(kind: str, result) -> None:
-    """Each invalid request's own error, naming what to change."""
+    """Each invalid request's own error, naming what to change, in one short line."""
+    if isinstance(result, QueryError):
+        assert_short_error(result.server_message)
+    elif isinstance(result, PyTritonClientInferenceServerError):
+        assert_short_error(result.__cause__.message())
+    elif isinstance(result, openai.APIStatusError):
+        assert_short_error(result.message)
     if kind == "triton_bad_media":
         assert isinstance(result, PyTritonClientInferenceServerError) and "image" in str(result).lower(), result
     elif kind == "triton_long":

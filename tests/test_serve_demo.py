@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import threading
+import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -14,27 +17,29 @@ import pytest
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from conftest import load_demo_builder, stop_server, wait_until_ready
+from conftest import load_demo_builder, stop_server
 from deploy import DeployPyTriton
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from query import NemoQueryMultimodal, QueryError
+from serving_support import assert_short_error, http_infer, json_tensor
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
 MODEL = "demo"
 SHAPE_Q, COLOR_Q = "What shape is this?", "What color is the shape?"
-BATCH_WINDOW_US = 300_000  # wide enough that concurrent requests share a batch on a busy 2-core machine
+LONG_OUTPUT = 1500  # the demo model repeats its word this often with a repetition "penalty" far below 1
+REPEAT = {"repetition_penalty": 0.001}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     exporter = TensorRTMMExporter(tmp_path_factory.mktemp("engine"), device="cpu")
     exporter.export(DEMO_NEMO, model_type="neva", dtype="float32", max_batch_size=8, max_input_len=200,
-                    max_output_len=16, max_multimodal_len=8 * 64)
+                    max_output_len=LONG_OUTPUT, max_multimodal_len=8 * 64)
     http_port, grpc_port = free_port(), free_port()
     deployer = DeployPyTriton(exporter, MODEL, max_batch_size=8, http_port=http_port, grpc_port=grpc_port,
-                              address="127.0.0.1", max_queue_delay_microseconds=BATCH_WINDOW_US)
+                              address="127.0.0.1")
     deployer.deploy()
     try:
         deployer.run()
@@ -116,6 +121,10 @@ def test_bad_requests_fail_alone_and_the_server_keeps_serving(server, examples):
     assert isinstance(answers[2], PyTritonClientInferenceServerError) and "image" in str(answers[2]).lower()
     assert isinstance(answers[4], QueryError) and "max_input_len=200" in str(answers[4])
     assert isinstance(answers[6], QueryError) and "top_p" in str(answers[6])
+    assert_short_error(answers[2].__cause__.message())
+    for answer in (answers[4], answers[6]):
+        assert answer.status in ("400", "StatusCode.INVALID_ARGUMENT")
+        assert_short_error(answer.server_message)
     for k, answer in enumerate(answers):
         if k not in bad:
             assert not isinstance(answer, Exception), answer
@@ -125,15 +134,63 @@ def test_bad_requests_fail_alone_and_the_server_keeps_serving(server, examples):
     assert server[2].triton.is_alive()
 
 
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_short_request_is_answered_while_a_long_one_runs(server, examples, protocol):
+    """No request waits for an unrelated one: a 2-token request sent while a 1,500-token request decodes is
+    answered in under twice the time it takes alone (through the real server, on the same protocol)."""
+    url = server[0] if protocol == "http" else server[1]
+    image, shape, _ = examples[3]
+
+    def short() -> float:
+        with NemoQueryMultimodal(url, MODEL, "neva") as client:
+            started = time.monotonic()
+            assert client.query(SHAPE_Q, image, max_output_len=2).tolist() == [[shape]]
+            return time.monotonic() - started
+
+    short()  # the encoder output of this picture is cached from here on, for every timing alike
+    alone = statistics.median(short() for _ in range(7))
+    with ThreadPoolExecutor(1) as pool, NemoQueryMultimodal(url, MODEL, "neva") as long_client:
+        long = pool.submit(long_client.query, SHAPE_Q, str(REPO / "demo/images/red_circle.png"),
+                           max_output_len=LONG_OUTPUT, inference_timeout=300, **REPEAT)
+        time.sleep(0.3)
+        during = [short() for _ in range(7)]
+        assert not long.done(), "the long request ended before the short ones were timed; make it longer"
+        assert long.result(timeout=300)[0, 0] == " ".join(["circle"] * LONG_OUTPUT)
+    print(f"{protocol}: short request alone {alone:.3f} s, during a long one {statistics.median(during):.3f} s")
+    assert statistics.median(during) < 2 * alone, f"alone {alone:.3f} s, during a long request {during}"
+
+
+def _when_openai_ready(process: subprocess.Popen, openai_url: str, timeout_s: float = 240) -> None:
+    """Poll the OpenAI front's /v1/health/ready every 20 ms until it says 200."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "deploy_triton.py exited"
+        try:
+            with urllib.request.urlopen(f"{openai_url}/health/ready", timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.02)
+    raise AssertionError("the OpenAI front never became ready")
+
+
 def test_deploy_script_exports_serves_and_query_script_answers(tmp_path):
-    """NeMo's CLI semantics: a checkpoint is exported into the repository, then served; query.py prints."""
+    """NeMo's CLI semantics: a checkpoint is exported into the repository, then served; query.py prints. The
+    OpenAI front says ready only once Triton answers too."""
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port, openai_port = free_port(), free_port(), free_port()
     deploy = [sys.executable, str(REPO / "scripts/deploy_triton.py"), "--config", "demo", "-vc", str(DEMO_NEMO),
-              "-tmr", str(tmp_path / "repo"), "-trp", str(http_port), "--grpc_port", str(grpc_port), "-mbs", "2"]
+              "-tmr", str(tmp_path / "repo"), "-trp", str(http_port), "--grpc_port", str(grpc_port), "-mbs", "2",
+              "--openai_port", str(openai_port)]
     server = subprocess.Popen(deploy, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until_ready(f"127.0.0.1:{http_port}", MODEL, server)
+        _when_openai_ready(server, f"http://127.0.0.1:{openai_port}/v1")
+        png = (REPO / "demo/images/red_circle.png").read_bytes()
+        status, answer = http_infer(f"127.0.0.1:{http_port}", MODEL, [
+            json_tensor("input_text", np.array([[COLOR_Q.encode()]], dtype=object)),
+            json_tensor("input_media_bytes", np.array([[png]], dtype=object))])
+        assert (status, answer["outputs"][0]["data"]) == (200, ["red"])
         assert (tmp_path / "repo" / "manifest.json").is_file()
         for image, question, expected in (("green_square", SHAPE_Q, "square"), ("yellow_circle", COLOR_Q, "yellow")):
             query = [sys.executable, str(REPO / "scripts/query.py"), "-u", f"127.0.0.1:{http_port}", "-mn", MODEL,

@@ -23,6 +23,7 @@ from deploy import DeployPyTriton
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from query import NemoQueryMultimodal, QueryError
+from serving_support import assert_short_error
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
@@ -122,14 +123,19 @@ def test_decoupled_client_and_generate_stream_wire_format(server):
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_bad_requests_get_errors_not_text(server, examples, protocol):
+    """Each bad request ends its stream with one short line (no traceback, no server paths); over HTTP with status
+    400 (a gRPC stream carries its errors in-band, as text without a code)."""
     image = examples[0][0]
+    status = {"http": "400", "grpc": None}[protocol]
     with _client(server, protocol) as client:
-        with pytest.raises(QueryError, match="top_p"):
-            list(client.query_stream(SHAPE_Q, image, top_p=2.0))
-        with pytest.raises(QueryError, match=f"max_output_len={MAX_OUTPUT_LEN}"):
-            list(client.query_stream(SHAPE_Q, image, max_output_len=MAX_OUTPUT_LEN + 1))
-        with pytest.raises(QueryError, match="max_input_len=200"):
-            list(client.query_stream("tell me " * 300 + SHAPE_Q, image, max_output_len=4))
+        for params, message in (({"top_p": 2.0}, "top_p"),
+                                ({"max_output_len": MAX_OUTPUT_LEN + 1}, f"max_output_len={MAX_OUTPUT_LEN}"),
+                                ({"max_output_len": 4, "prompt": "tell me " * 300 + SHAPE_Q}, "max_input_len=200")):
+            prompt = params.pop("prompt", SHAPE_Q)
+            with pytest.raises(QueryError, match=message) as failure:
+                list(client.query_stream(prompt, image, **params))
+            assert failure.value.status == status
+            assert_short_error(failure.value.server_message)
         assert "".join(client.query_stream(SHAPE_Q, image, max_output_len=4)) == examples[0][1]
 
 
@@ -148,7 +154,9 @@ def test_raw_bad_requests_get_triton_errors(server, examples):
                            f"http://{server['http']}/v2/models/demo_stream/generate_stream", "-d", json.dumps(body)],
                           capture_output=True, text=True, timeout=60, check=True)
     event, status = done.stdout.strip().rsplit("\n", 1)
-    assert status == "400" and "image" in json.loads(event.removeprefix("data:"))["error"].lower()
+    message = json.loads(event.removeprefix("data:"))["error"]
+    assert status == "400" and "image" in message.lower()
+    assert_short_error(message)
     with pytest.raises(ValueError, match="gRPC"):
         NemoQueryMultimodal(server["http"], MODEL, "neva", raw_pixels=True).query_stream(SHAPE_Q, examples[0][0])
     with pytest.raises(QueryError, match="nonexistent_stream"):

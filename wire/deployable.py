@@ -59,3 +59,8 @@ class ITritonDeployable(ABC):
     def triton_warmup_request(self) -> InferRequest:
         """A valid request run once before the model is reported ready; override it if need be."""
         return default_warmup_request(self.get_triton_input)
+
+    def triton_input_byte_caps(self) -> dict[str, int]:
+        """The most bytes each input of one request may hold; a request over a cap is refused before its tensors
+        reach the model. None by default."""
+        return {}

@@ -54,6 +54,23 @@ class WireLimits:
                    max_image_pixels=max_image_pixels, max_frames=max_frames,
                    max_signal_samples=int(max_audio_duration_s * MAX_SAMPLE_RATE))
 
+    def input_byte_caps(self) -> dict[str, int]:
+        """The most bytes each capped input of a whole request may hold (a coarse first check, made before a
+        request's tensors are handed on; `split_request` checks each row exactly)."""
+        if self.max_rows is None:
+            return {}
+        caps = {}
+        if self.max_text_bytes is not None:
+            caps["input_text"] = self.max_rows * self.max_text_bytes
+        if self.max_media_items is not None and self.max_media_item_bytes is not None:
+            item = _encoded_item_cap(self.max_media_item_bytes)
+            caps["input_media_bytes"] = self.max_rows * self.max_media_items * item
+        if self.max_frames is not None and self.max_image_pixels is not None:
+            caps["input_media"] = self.max_rows * self.max_frames * self.max_image_pixels * 3
+        if self.max_signal_samples is not None:
+            caps["input_signal"] = self.max_rows * self.max_signal_samples * 4
+        return caps
+
 
 @dataclass(frozen=True)
 class RequestRow:
@@ -65,6 +82,11 @@ class RequestRow:
     signal: np.ndarray | None = None
     sampling: Mapping[str, int | float] = field(default_factory=dict)
     lora_uids: tuple[str, ...] = ()
+
+
+def _encoded_item_cap(max_item_bytes: int) -> int:
+    """The bytes a media item of `max_item_bytes` may take on the wire: room for it as a base64 `data:` URL."""
+    return 4 * -(-max_item_bytes // 3) + _DATA_URL_HEADER_BYTES
 
 
 def split_request(request: Mapping[str, np.ndarray], limits: WireLimits = WireLimits()) -> list[RequestRow]:
@@ -117,7 +139,7 @@ def _check_sizes(arrays: Mapping[str, np.ndarray], limits: WireLimits) -> None:
             raise WireError(f"input_media_bytes holds {count} media items per prompt, over the cap of "
                             f"{limits.max_media_items}; send fewer")
         if limits.max_media_item_bytes is not None:
-            cap = 4 * -(-limits.max_media_item_bytes // 3) + _DATA_URL_HEADER_BYTES  # room for a base64 data: URL
+            cap = _encoded_item_cap(limits.max_media_item_bytes)
             largest = max(len(item) for item in items.reshape(-1))
             if largest > cap:
                 raise WireError(f"an input_media_bytes item is {largest} bytes, over the cap of "
