@@ -99,13 +99,13 @@ class ProcessGuard:
 
 
 def _stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time) of a process, or None if it is gone."""
+    """(parent pid, start time) of a process, or None if it is gone (or a zombie, dead but not yet reaped)."""
     try:
         text = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     fields = text[text.rindex(")") + 2 :].split()
-    return int(fields[1]), int(fields[19])
+    return None if fields[0] == "Z" else (int(fields[1]), int(fields[19]))
 
 
 def _scan(workspace: str, tracked: dict[int, int]) -> None:

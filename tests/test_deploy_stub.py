@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -389,7 +390,8 @@ def _processes_running_from(folder: Path) -> list[int]:
 
 def test_ready_means_answering_and_a_restart_after_sigkill_gets_the_same_ports(tmp_path):
     """The first request after /v2/health/ready says 200 succeeds; after SIGKILL of deploy_triton.py, Triton's
-    processes, shared memory and workspace are gone within seconds and a restart at once serves on the same ports."""
+    processes, shared memory and workspace are gone within seconds and a restart at once serves on the same ports;
+    when Triton itself dies, deploy_triton.py exits with an error."""
     http_port, grpc_port = free_port(), free_port()
     http_url = f"127.0.0.1:{http_port}"
     first = _stub_script_server(tmp_path, http_port, grpc_port, tmp_path / "first.log")
@@ -411,11 +413,16 @@ def test_ready_means_answering_and_a_restart_after_sigkill_gets_the_same_ports(t
         status, body = _first_ready_answer(second, http_url)
         assert status == 200, (body, (tmp_path / "second.log").read_text()[-3000:])
         assert grpc_infer(f"grpc://127.0.0.1:{grpc_port}", MODEL, {"input_text": TEXT})[0] == "OK"
+        (workspace,) = _workspaces_of(second.pid)
+        tritonserver = next(pid for pid in _processes_running_from(workspace)
+                            if os.readlink(f"/proc/{pid}/exe").endswith("/bin/tritonserver"))
+        os.kill(tritonserver, signal.SIGKILL)  # Triton dies under the serving process: it exits with an error
+        assert second.wait(60) == 1
+        assert "error: Triton exited unexpectedly" in (tmp_path / "second.log").read_text()
     finally:
         for process in (first, second):
             if process is not None and process.poll() is None:
                 stop_server(process, 60)
-    assert second.returncode == 0
 
 
 def test_script_refuses_a_missing_repository(tmp_path, capsys):
