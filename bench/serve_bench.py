@@ -335,8 +335,7 @@ def llava_engine(folder: Path, setting: Setting, words: list[str]) -> Path:
         nemo = Path(tmp) / "llava_shape.nemo"
         write_nemo(nemo, _llava_config(), _llava_weights(), layout="legacy",
                    artifacts={"tokenizer.model": str(tokenizer)})
-        torch.cuda.empty_cache()
-        TensorRTMMExporter(folder, device="cuda").export(
+        TensorRTMMExporter(folder, device="cuda" if torch.cuda.is_available() else "cpu").export(
             nemo, model_type="neva", dtype="bfloat16", max_batch_size=setting.max_batch_size,
             max_input_len=setting.max_input_len, max_output_len=setting.max_output_len,
             max_multimodal_len=setting.max_batch_size * 576, load_model=False)
@@ -380,16 +379,17 @@ def _llava_config() -> dict:
 
 
 def _llava_weights() -> dict:
-    """Random canonical weights (docs/architecture.md) drawn on the GPU, in bf16 on the host."""
+    """Random canonical weights (docs/architecture.md) drawn on the GPU (if any), in bf16 on the host."""
     import torch
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
     llm, vision = LLAVA_SHAPE["llm"], LLAVA_SHAPE["vision"]
     hidden, ffn = llm["hidden_size"], llm["ffn_hidden_size"]
-    generator = torch.Generator("cuda").manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(0)
 
     def rand(*shape, scale=0.02):
-        return (torch.randn(*shape, generator=generator, device="cuda") * scale).to(torch.bfloat16).cpu()
+        return (torch.randn(*shape, generator=generator, device=device) * scale).to(torch.bfloat16).cpu()
 
     weights = {"embedding.word_embeddings.weight": rand(llm["vocab_size"], hidden),
                "output_layer.weight": rand(llm["vocab_size"], hidden),

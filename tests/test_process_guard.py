@@ -9,7 +9,6 @@ import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from deploy.process_guard import SHM_DIR, ProcessGuard, clean_stale_files
 
