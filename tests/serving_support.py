@@ -1,16 +1,29 @@
-"""Helpers for tests against a running server: raw Triton requests over HTTP and gRPC with their status, and the
-check that an error a client sees is one short line."""
+"""Helpers for tests against a running server: raw Triton requests over HTTP and gRPC with their status, the check
+that an error a client sees is one short line, readiness polling and the server's memory."""
 
 from __future__ import annotations
 
 import base64
 import json
+import os
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from conftest import stop_server
+from deploy.startup import free_port
+
+REPO = Path(__file__).resolve().parent.parent
 
 LEAKS = ("Traceback", 'File "', "/work/", "/tmp/", "/root/", "/home/", "/opt/", "site-packages", "\n")
 MAX_ERROR_CHARS = 500
@@ -63,3 +76,66 @@ def grpc_infer(url: str, model: str, arrays: dict[str, np.ndarray], timeout_s: f
         except InferenceServerException as error:
             return str(error.status()).removeprefix("StatusCode."), error.message()
     return "OK", result.as_numpy("outputs")
+
+
+def poll_ready(process: subprocess.Popen, url: str, timeout_s: float = 240) -> None:
+    """Poll a readiness `url` every 20 ms until it answers 200; fail if the server process exits first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "the server process exited"
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.02)
+    raise AssertionError(f"{url} never answered 200")
+
+
+def process_rss(pid: int) -> int:
+    """Resident memory of a process in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for process {pid}")
+
+
+@dataclass
+class ScriptServer:
+    """A running `deploy_triton.py` with its URLs and its log file."""
+
+    process: subprocess.Popen
+    http: str
+    grpc: str
+    openai: str
+    metrics: str
+    log: Path
+
+    def rss(self) -> int:
+        """Resident memory of the serving process (the model, the Triton callables and the OpenAI front)."""
+        return process_rss(self.process.pid)
+
+
+@contextmanager
+def demo_script_server(folder: Path, *flags: str) -> Iterator[ScriptServer]:
+    """`deploy_triton.py --config demo` exporting the demo Neva into `folder`, with the OpenAI front, on free
+    loopback ports, its output in `folder/server.log`; ready when entered (its OpenAI front answers only then),
+    stopped as by Ctrl-C on exit."""
+    ports = {name: free_port() for name in ("http", "grpc", "openai", "metrics")}
+    command = [sys.executable, str(REPO / "scripts/deploy_triton.py"), "--config", "demo", "-vc",
+               str(REPO / "demo" / "neva_demo.nemo"), "-tmr", str(folder / "repo"), "-trp", str(ports["http"]),
+               "--grpc_port", str(ports["grpc"]), "--openai_port", str(ports["openai"]), "--metrics_port",
+               str(ports["metrics"]), *flags]
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    log = folder / "server.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+    server = ScriptServer(process, f"127.0.0.1:{ports['http']}", f"grpc://127.0.0.1:{ports['grpc']}",
+                          f"http://127.0.0.1:{ports['openai']}/v1", f"http://127.0.0.1:{ports['metrics']}/metrics",
+                          log)
+    try:
+        poll_ready(process, f"{server.openai}/health/ready")
+        yield server
+    finally:
+        stop_server(process, 120)

@@ -25,7 +25,7 @@ from conftest import stop_server, wait_until_ready
 from deploy import DeployError, DeployPyTriton, PortInUseError
 from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
-from serving_support import assert_short_error, grpc_infer, http_infer, json_tensor
+from serving_support import assert_short_error, grpc_infer, http_infer, json_tensor, poll_ready
 from stub_model import StubMultimodalModel, describe_pixels, expected_answer
 
 REPO = Path(__file__).resolve().parent.parent
@@ -356,19 +356,10 @@ def _stub_script_server(tmp_path: Path, http_port: int, grpc_port: int, log: Pat
         return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
-def _first_ready_answer(process: subprocess.Popen, http_url: str, timeout_s: float = 240) -> tuple[int, dict]:
-    """Poll /v2/health/ready every 20 ms; the moment it says 200, send a request and return its answer."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "deploy_triton.py exited"
-        try:
-            with urllib.request.urlopen(f"http://{http_url}/v2/health/ready", timeout=1) as response:
-                if response.status == 200:
-                    return http_infer(http_url, MODEL, [json_tensor("input_text", TEXT)])
-        except OSError:
-            pass
-        time.sleep(0.02)
-    raise AssertionError("the server never became ready")
+def _first_ready_answer(process: subprocess.Popen, http_url: str) -> tuple[int, dict]:
+    """The answer of a request sent the moment /v2/health/ready says 200 (polled every 20 ms)."""
+    poll_ready(process, f"http://{http_url}/v2/health/ready")
+    return http_infer(http_url, MODEL, [json_tensor("input_text", TEXT)])
 
 
 def _workspaces_of(pid: int) -> list[Path]:

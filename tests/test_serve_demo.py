@@ -8,7 +8,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from deploy import DeployPyTriton
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from query import NemoQueryMultimodal, QueryError
-from serving_support import assert_short_error, http_infer, json_tensor
+from serving_support import assert_short_error, http_infer, json_tensor, poll_ready
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
@@ -160,21 +159,6 @@ def test_short_request_is_answered_while_a_long_one_runs(server, examples, proto
     assert statistics.median(during) < 2 * alone, f"alone {alone:.3f} s, during a long request {during}"
 
 
-def _when_openai_ready(process: subprocess.Popen, openai_url: str, timeout_s: float = 240) -> None:
-    """Poll the OpenAI front's /v1/health/ready every 20 ms until it says 200."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert process.poll() is None, "deploy_triton.py exited"
-        try:
-            with urllib.request.urlopen(f"{openai_url}/health/ready", timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.02)
-    raise AssertionError("the OpenAI front never became ready")
-
-
 def test_deploy_script_exports_serves_and_query_script_answers(tmp_path):
     """NeMo's CLI semantics: a checkpoint is exported into the repository, then served; query.py prints. The
     OpenAI front says ready only once Triton answers too."""
@@ -185,7 +169,7 @@ def test_deploy_script_exports_serves_and_query_script_answers(tmp_path):
               "--openai_port", str(openai_port)]
     server = subprocess.Popen(deploy, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _when_openai_ready(server, f"http://127.0.0.1:{openai_port}/v1")
+        poll_ready(server, f"http://127.0.0.1:{openai_port}/v1/health/ready")
         png = (REPO / "demo/images/red_circle.png").read_bytes()
         status, answer = http_infer(f"127.0.0.1:{http_port}", MODEL, [
             json_tensor("input_text", np.array([[COLOR_Q.encode()]], dtype=object)),

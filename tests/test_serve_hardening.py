@@ -7,24 +7,20 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
 import random
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import load_demo_builder, stop_server, wait_until_ready
-from deploy.startup import free_port
-from serving_support import assert_short_error, grpc_infer, http_infer, json_tensor
-from test_serve_demo import COLOR_Q, DEMO_NEMO, MODEL, REPO, SHAPE_Q
+from conftest import load_demo_builder
+from serving_support import ScriptServer as Server
+from serving_support import assert_short_error, demo_script_server, grpc_infer, http_infer, json_tensor
+from test_serve_demo import COLOR_Q, MODEL, SHAPE_Q
 
 MAX_OUTPUT_LEN = 8
 FUZZ_REQUESTS = 2000
@@ -33,40 +29,11 @@ FUZZ_CONCURRENCY = 8
 RSS_TOLERANCE = 48 * 1024 * 1024  # allocator slack over a few thousand requests
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen
-    http: str
-    grpc: str
-    openai: str
-    metrics: str
-    log: Path
-
-    def rss(self) -> int:
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS for the server process")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("hardening")
-    http_port, grpc_port, openai_port, metrics_port = free_port(), free_port(), free_port(), free_port()
-    command = [sys.executable, str(REPO / "scripts/deploy_triton.py"), "--config", "demo", "-vc", str(DEMO_NEMO),
-               "-tmr", str(folder / "repo"), "-trp", str(http_port), "--grpc_port", str(grpc_port),
-               "--metrics_port", str(metrics_port), "-mbs", "4", "-mol", str(MAX_OUTPUT_LEN),
-               "--openai_port", str(openai_port), "--streaming"]
-    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-    log = folder / "server.log"
-    with log.open("w") as out:
-        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
-    try:
-        wait_until_ready(f"127.0.0.1:{http_port}", MODEL, process)
-        yield Server(process, f"127.0.0.1:{http_port}", f"grpc://127.0.0.1:{grpc_port}",
-                     f"http://127.0.0.1:{openai_port}/v1", f"http://127.0.0.1:{metrics_port}/metrics", log)
-    finally:
-        stop_server(process, 120)
+    with demo_script_server(tmp_path_factory.mktemp("hardening"), "-mbs", "4", "-mol", str(MAX_OUTPUT_LEN),
+                            "--streaming") as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
