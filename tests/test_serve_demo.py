@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import statistics
 import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,15 +25,13 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
 MODEL = "demo"
 SHAPE_Q, COLOR_Q = "What shape is this?", "What color is the shape?"
-LONG_OUTPUT = 1500  # the demo model repeats its word this often with a repetition "penalty" far below 1
-REPEAT = {"repetition_penalty": 0.001}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     exporter = TensorRTMMExporter(tmp_path_factory.mktemp("engine"), device="cpu")
     exporter.export(DEMO_NEMO, model_type="neva", dtype="float32", max_batch_size=8, max_input_len=200,
-                    max_output_len=LONG_OUTPUT, max_multimodal_len=8 * 64)
+                    max_output_len=16, max_multimodal_len=8 * 64)
     http_port, grpc_port = free_port(), free_port()
     deployer = DeployPyTriton(exporter, MODEL, max_batch_size=8, http_port=http_port, grpc_port=grpc_port,
                               address="127.0.0.1")
@@ -131,32 +127,6 @@ def test_bad_requests_fail_alone_and_the_server_keeps_serving(server, examples):
     with NemoQueryMultimodal(server[0], MODEL, "neva") as client:
         assert client.query(COLOR_Q, examples[0][0], max_output_len=4).tolist() == [[examples[0][2]]]
     assert server[2].triton.is_alive()
-
-
-@pytest.mark.parametrize("protocol", ["http", "grpc"])
-def test_short_request_is_answered_while_a_long_one_runs(server, examples, protocol):
-    """No request waits for an unrelated one: a 2-token request sent while a 1,500-token request decodes is
-    answered in under twice the time it takes alone (through the real server, on the same protocol)."""
-    url = server[0] if protocol == "http" else server[1]
-    image, shape, _ = examples[3]
-
-    def short() -> float:
-        with NemoQueryMultimodal(url, MODEL, "neva") as client:
-            started = time.monotonic()
-            assert client.query(SHAPE_Q, image, max_output_len=2).tolist() == [[shape]]
-            return time.monotonic() - started
-
-    short()  # the encoder output of this picture is cached from here on, for every timing alike
-    alone = statistics.median(short() for _ in range(7))
-    with ThreadPoolExecutor(1) as pool, NemoQueryMultimodal(url, MODEL, "neva") as long_client:
-        long = pool.submit(long_client.query, SHAPE_Q, str(REPO / "demo/images/red_circle.png"),
-                           max_output_len=LONG_OUTPUT, inference_timeout=300, **REPEAT)
-        time.sleep(0.3)
-        during = [short() for _ in range(7)]
-        assert not long.done(), "the long request ended before the short ones were timed; make it longer"
-        assert long.result(timeout=300)[0, 0] == " ".join(["circle"] * LONG_OUTPUT)
-    print(f"{protocol}: short request alone {alone:.3f} s, during a long one {statistics.median(during):.3f} s")
-    assert statistics.median(during) < 2 * alone, f"alone {alone:.3f} s, during a long request {during}"
 
 
 def test_deploy_script_exports_serves_and_query_script_answers(tmp_path):
