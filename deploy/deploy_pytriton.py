@@ -166,7 +166,8 @@ class DeployPyTriton:
             try:
                 self.triton.run()
             except Exception as error:
-                raise DeployError(f"Triton did not start ({type(error).__name__}: {error}); see its log above") from error
+                message = f"Triton did not start ({type(error).__name__}: {error}); see its log above"
+                raise DeployError(message) from error
             self._metrics_server = MetricsServer(self.metrics, self.address, self.metrics_port,
                                                  f"http://127.0.0.1:{self._triton_metrics_port}/metrics")
             self._metrics_server.start()
