@@ -36,9 +36,12 @@ from exporter.checkpoint import (
     NEMO2_RENAMED_FIELDS,
     SEPARATE_UP_ACTIVATIONS,
     TE_NORM_NAMES,
+    holds_gate_and_up,
     swap_prefix,
     tp_split_dim,
 )
+from exporter.checkpoint.names import DIST_EXPERT_NAMES, FALCON_NORM_NAMES
+from exporter.llm.config import FALCON_SPEC_NAME
 
 LAYOUTS = ("legacy", "torch_dist", "nemo2")
 DIST_METADATA = {
@@ -58,7 +61,11 @@ NEMO2_COPIED_FIELDS = (
     "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
     "position_embedding_type", "rotary_base", "seq_len_interpolation_factor", "layernorm_epsilon",
     "share_embeddings_and_output_weights", "make_vocab_size_divisible_by", "layernorm_zero_centered_gamma",
+    "bias_activation_fusion", "window_size", "num_moe_experts", "moe_router_topk", "moe_router_pre_softmax",
+    "moe_router_score_function", "moe_router_topk_scaling_factor", "moe_ffn_hidden_size",
 )
+#: Stacked expert weights of one MoE layer, as the canonical state dict holds them.
+STACKED_EXPERTS = ("mlp.experts.linear_fc1.weight", "mlp.experts.linear_fc2.weight")
 NEMO2_ACTIVATION_TARGETS = {
     "swiglu": "torch.nn.functional.silu",
     "geglu": "torch.nn.functional.gelu",
@@ -144,6 +151,8 @@ def write_nemo(
     ranks would write. `artifacts` maps a config path such as "tokenizer.model" to a local file, stored in
     the archive and referenced the way NeMo does. `prefix` overrides the key prefix (`model.` for NeMo-1,
     `module.` for NeMo 2). `mcore=False` stores legacy names, `transformer_engine` TE norm names.
+    Stacked expert weights are stored one expert at a time (`local_experts.<e>`) in the legacy layout and stacked
+    in dist checkpoints, as NeMo does.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -160,19 +169,20 @@ def write_nemo(
         canonical = _separate_up_halves(canonical)
     if mcore and transformer_engine:
         canonical.update(_te_extra_states(canonical))
-    te = transformer_engine
+    names = _stored_layer_names(cfg, transformer_engine)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if layout == "nemo2":
             _write_nemo2_context(root / "context", cfg, canonical, artifacts or {})
-            _write_dist(root / "weights", canonical, cfg, prefix or "module.", te, tp_size, pp_size)
+            _write_dist(root / "weights", canonical, cfg, prefix or "module.", names, tp_size, pp_size)
         else:
             _store_artifacts(root, cfg, artifacts or {})
             OmegaConf.save(OmegaConf.create(cfg), root / "model_config.yaml")
             if layout == "legacy":
-                _write_legacy(root, canonical, cfg, prefix or "model.", mcore, te, tp_size, pp_size)
+                _write_legacy(root, _unstack_experts(canonical), cfg, prefix or "model.", mcore, names, tp_size,
+                              pp_size)
             else:
-                _write_dist(root / "model_weights", canonical, cfg, prefix or "model.", te, tp_size, pp_size)
+                _write_dist(root / "model_weights", canonical, cfg, prefix or "model.", names, tp_size, pp_size)
         return tar_directory(root, path, compress=compress, dot_prefix=dot_prefix)
 
 
@@ -196,8 +206,10 @@ def tar_directory(
     return path
 
 
-def stored_name(canonical: str, prefix: str, mcore: bool = True, transformer_engine: bool = True) -> str:
-    """The key NeMo stores canonical tensor `canonical` under (per-layer form)."""
+def stored_name(canonical: str, prefix: str, mcore: bool = True,
+                layer_names: tuple[tuple[str, str], ...] = TE_NORM_NAMES) -> str:
+    """The key NeMo stores canonical tensor `canonical` under (per-layer form); `layer_names` are the (canonical,
+    stored) prefix pairs of the layer's tensors (`_stored_layer_names`)."""
     if canonical.startswith("perception."):
         return canonical
     match = LAYER_KEY.match(canonical)
@@ -205,7 +217,7 @@ def stored_name(canonical: str, prefix: str, mcore: bool = True, transformer_eng
         index, rest = match.groups()
         if not mcore:
             return f"{prefix}language_model.encoder.layers.{index}.{swap_prefix(rest, LEGACY_LAYER_NAMES)}"
-        return f"{prefix}decoder.layers.{index}.{_mcore_layer_rest(rest, transformer_engine)}"
+        return f"{prefix}decoder.layers.{index}.{swap_prefix(rest, layer_names)}"
     if mcore:
         return prefix + canonical
     if canonical.startswith("decoder."):
@@ -213,8 +225,31 @@ def stored_name(canonical: str, prefix: str, mcore: bool = True, transformer_eng
     return f"{prefix}language_model.{canonical}"
 
 
-def _mcore_layer_rest(rest: str, transformer_engine: bool) -> str:
-    return swap_prefix(rest, TE_NORM_NAMES) if transformer_engine else rest
+def _stored_layer_names(cfg: Mapping, transformer_engine: bool) -> tuple[tuple[str, str], ...]:
+    """(canonical, stored) prefixes of an mcore layer's tensors: TE fuses the norms into the next linear (only the
+    input norm in a MoE layer); NeMo's Falcon layer keeps its norms apart, naming a sequential layer's second one
+    `post_self_attn_layernorm`."""
+    if cfg.get("name") == FALCON_SPEC_NAME:
+        custom = cfg.get("mcore_customization_config") or {}
+        parallel = custom.get("new_decoder_architecture") or custom.get("parallel_attention")
+        return () if parallel else FALCON_NORM_NAMES
+    if not transformer_engine:
+        return ()
+    return TE_NORM_NAMES[:1] if cfg.get("num_moe_experts") else TE_NORM_NAMES
+
+
+def _unstack_experts(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stacked expert weights split into Megatron SequentialMLP's per-expert tensors (`local_experts.<e>`)."""
+    out = {}
+    for name, tensor in state_dict.items():
+        match = LAYER_KEY.match(name)
+        if match and match.group(2) in STACKED_EXPERTS:
+            module = match.group(2).split(".")[2]
+            out.update((f"decoder.layers.{match.group(1)}.mlp.experts.local_experts.{e}.{module}.weight", expert)
+                       for e, expert in enumerate(tensor))
+        else:
+            out[name] = tensor
+    return out
 
 
 def _separate_up_halves(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -264,7 +299,7 @@ def _tp_shards(tensor: torch.Tensor, name: str, tp_size: int, gated: bool) -> li
         return [tensor] * tp_size
     if tensor.shape[dim] % tp_size:
         raise ValueError(f"{name}: dim {dim} (size {tensor.shape[dim]}) is not divisible by tp_size={tp_size}")
-    if gated and name.endswith(("mlp.linear_fc1.weight", "mlp.linear_fc1.bias")):
+    if gated and holds_gate_and_up(name):
         gate, up = tensor.chunk(2, dim=0)
         return [torch.cat(pair, dim=0) for pair in zip(gate.chunk(tp_size), up.chunk(tp_size))]
     return [shard.clone() for shard in tensor.chunk(tp_size, dim=dim)]
@@ -283,7 +318,7 @@ def _pp_stage(name: str, num_layers: int, pp_size: int) -> tuple[int, str]:
 
 
 def _write_legacy(
-    root: Path, canonical: dict, cfg: dict, prefix: str, mcore: bool, te: bool, tp: int, pp: int
+    root: Path, canonical: dict, cfg: dict, prefix: str, mcore: bool, names: tuple, tp: int, pp: int
 ) -> None:
     num_layers = cfg["num_layers"]
     if num_layers % pp:
@@ -293,7 +328,7 @@ def _write_legacy(
     for name, tensor in canonical.items():
         stage, local = _pp_stage(name, num_layers, pp)
         for rank, shard in enumerate(_tp_shards(tensor, name, tp, gated)):
-            shards[rank, stage][stored_name(local, prefix, mcore, te)] = shard
+            shards[rank, stage][stored_name(local, prefix, mcore, names)] = shard
     for (rank, stage), weights in shards.items():
         if pp > 1:
             folder = root / f"tp_rank_{rank:02d}_pp_rank_{stage:03d}"
@@ -309,8 +344,9 @@ def _own_storage(value):
     return value.clone() if is_view else value
 
 
-def _write_dist(folder: Path, canonical: dict, cfg: dict, prefix: str, te: bool, tp: int, pp: int) -> None:
-    """Megatron-style torch_dist checkpoint: homogeneous layers stacked under keys without a layer number."""
+def _write_dist(folder: Path, canonical: dict, cfg: dict, prefix: str, names: tuple, tp: int, pp: int) -> None:
+    """Megatron-style torch_dist checkpoint: homogeneous layers stacked under keys without a layer number (an MoE
+    layer's experts stacked after the layer axis, under `mlp.experts.experts.`)."""
     folder.mkdir(parents=True)
     num_layers = cfg["num_layers"]
     per_layer: dict[str, dict[int, torch.Tensor]] = defaultdict(dict)
@@ -328,7 +364,7 @@ def _write_dist(folder: Path, canonical: dict, cfg: dict, prefix: str, te: bool,
     for rest, layers in per_layer.items():
         if sorted(layers) != list(range(num_layers)):
             raise ValueError(f"decoder.layers.<i>.{rest} is missing for some of the {num_layers} layers")
-        key = f"{prefix}decoder.layers.{_mcore_layer_rest(rest, te)}"
+        key = f"{prefix}decoder.layers.{swap_prefix(rest, names + DIST_EXPERT_NAMES)}"
         flat[key] = torch.stack([layers[i] for i in range(num_layers)])
         chunking[key] = (f"decoder.layers.0.{rest}", 1)
     for name in canonical:
@@ -352,7 +388,7 @@ def _rank_chunks(key, size, chunking, tp, pp, gated) -> list[tuple[list[int], li
         pieces = _split_pieces(pieces, 0, pp)
     dim = tp_split_dim(canonical)
     if dim is not None and tp > 1:
-        fused_gate_up = gated and canonical.rsplit(".", 1)[0].endswith("mlp.linear_fc1")
+        fused_gate_up = gated and holds_gate_and_up(canonical)
         pieces = _split_pieces(pieces, dim + stacked_dims, 2 * tp if fused_gate_up else tp)
     return pieces
 
@@ -413,11 +449,12 @@ def _write_nemo2_context(
     unknown = set(artifacts) - {"tokenizer.model"}
     if unknown:
         raise ValueError(f"NeMo 2.0 archives store only a 'tokenizer.model' artifact, got {sorted(unknown)}")
-    model = {
-        "_target_": "nemo.collections.llm.gpt.model.llama.LlamaModel"
-        if cfg.get("normalization") == "rmsnorm" else "nemo.collections.llm.gpt.model.base.GPTModel",
-        "config": nemo2_config(cfg, canonical),
-    }
+    model_class = "gpt.model.base.GPTModel"
+    if cfg.get("apply_embedding_scaling"):
+        model_class = "gpt.model.gemma.GemmaModel"
+    elif cfg.get("normalization") == "rmsnorm":
+        model_class = "gpt.model.llama.LlamaModel"
+    model = {"_target_": f"nemo.collections.llm.{model_class}", "config": nemo2_config(cfg, canonical)}
     tokenizer_cfg = cfg.get("tokenizer") or {}
     if "tokenizer.model" in artifacts:
         local = Path(artifacts["tokenizer.model"])
@@ -442,7 +479,7 @@ def nemo2_config(cfg: Mapping, canonical: Mapping | None = None) -> dict:
     out["normalization"] = "RMSNorm" if normalization == "rmsnorm" else "LayerNorm"
     if normalization == "layernorm1p":
         out["layernorm_zero_centered_gamma"] = True
-    target = NEMO2_ACTIVATION_TARGETS[activation.removeprefix("fast-")]
+    target = NEMO2_ACTIVATION_TARGETS["openai-gelu" if cfg.get("openai_gelu") else activation.removeprefix("fast-")]
     out["activation_func"] = {"_target_": target, "_call_": False}
     out["gated_linear_unit"] = activation in GATED_ACTIVATIONS
     dtype = next((t.dtype for t in (canonical or {}).values() if isinstance(t, torch.Tensor)), torch.float32)

@@ -25,7 +25,7 @@ from wire import (
     split_request,
 )
 
-from .engine import Engine, EngineLimits, export_engine, load_engine, prepare_model_dir, read_manifest
+from .engine import Engine, EngineLimits, export_engine, load_engine, read_manifest
 from .llm.generate import SamplingParams
 from .media_safety import MediaPolicy
 from .models import get_model_type
@@ -44,17 +44,20 @@ class TensorRTMMExporter(ITritonDeployable):
 
     ``model_dir`` is the engine directory; with ``load_model=True`` an existing engine there is loaded at once.
     ``media_policy`` caps the media the model decodes (image pixels, video frames and duration, audio bytes and
-    duration); None keeps each model type's defaults.
+    duration); None keeps each model type's defaults. ``verify_engine``: check the engine files' sha256 at load
+    (None: when not verified in their current state before; sizes are always checked).
     """
 
     def __init__(self, model_dir: str | Path, load_model: bool = True, modality: str = "vision",
-                 device: str | None = None, media_policy: MediaPolicy | None = None):
+                 device: str | None = None, media_policy: MediaPolicy | None = None,
+                 verify_engine: bool | None = None):
         if modality not in MODALITIES:
             raise InvalidModalityError(f"modality must be one of {MODALITIES}, got {modality!r}")
         self.model_dir = Path(model_dir)
         self.modality = modality
         self.device = device or _default_device()
         self.media_policy = media_policy
+        self.verify_engine = verify_engine
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
         if load_model and (self.model_dir / "manifest.json").is_file():
@@ -86,11 +89,19 @@ class TensorRTMMExporter(ITritonDeployable):
         export_onnx: bool = False,
         nemo_rename_key: Sequence[str] = (),
         audio_frontend: str | None = None,
+        video_frame_sampling: str | None = None,
+        quantization: str | None = None,
+        calib_data: str | Path | None = None,
     ) -> None:
         """Write the engine directory (NeMo's arguments; the keyword-only ones are this package's).
 
         ``audio_frontend`` (SALM): ``"nemo-2.4"`` or ``"nemo-2.5"``, the NeMo release whose audio front end the
         checkpoint was trained with (see docs/fidelity.md); default the checkpoint's declaration, else ``"nemo-2.5"``.
+        ``video_frame_sampling`` (LITA/VITA): ``"training"`` (default) samples frames as NeMo trained the model,
+        ``"nemo-export"`` as NeMo's TensorRT export runtime did (see docs/fidelity.md).
+        ``quantization``: store the LLM layers' weights as ``int8_wo``, ``int4_wo``, ``int4_awq`` or ``fp8``
+        (quantized on this exporter's device; see docs/fidelity.md); ``calib_data``: a text file of prompts, one a
+        line, for int4_awq's calibration (default: prompts bundled with the package).
         """
         kind = get_model_type(model_type)
         if kind.modality != self.modality:
@@ -107,11 +118,13 @@ class TensorRTMMExporter(ITritonDeployable):
         limits = EngineLimits(max_input_len=max_input_len, max_output_len=max_output_len,
                               max_batch_size=max_batch_size, max_multimodal_len=max_multimodal_len,
                               vision_max_batch_size=vision_max_batch_size)
-        prepare_model_dir(self.model_dir, delete_existing_files)
-        export_engine(self.model_dir, visual_checkpoint_path, model_type=model_type,
+        export_engine(self.model_dir, visual_checkpoint_path, delete_existing_files=delete_existing_files,
+                      model_type=model_type,
                       llm_checkpoint_path=llm_checkpoint_path, llm_model_type=llm_model_type, limits=limits,
                       dtype=dtype, vision_tower_path=vision_tower_path, tokenizer_path=tokenizer_path,
-                      export_onnx=export_onnx, rename_keys=tuple(nemo_rename_key), audio_frontend=audio_frontend)
+                      export_onnx=export_onnx, rename_keys=tuple(nemo_rename_key), audio_frontend=audio_frontend,
+                      video_frame_sampling=video_frame_sampling,
+                      quantization=quantization, calib_data=calib_data, device=self.device)
         if load_model:
             self._load()
 
@@ -122,7 +135,8 @@ class TensorRTMMExporter(ITritonDeployable):
                                        f"not {self.modality!r}")
         if self.pipeline is not None:
             self.pipeline.close()
-        self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy)
+        self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy,
+                                  verify=self.verify_engine)
         self.pipeline = Pipeline(self.engine)
 
     def forward(

@@ -18,12 +18,11 @@ from exporter.media_safety import describe_source as _describe
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_BYTES = 100 * 1024 * 1024
-MAX_VIDEO_FRAMES = 256
 
 MediaSource = str | os.PathLike | bytes | Image.Image | np.ndarray
 
 __all__ = ["MediaError", "audio_signal", "image_bytes", "image_pixels", "load_image", "read_media_bytes",
-           "subsample_frames", "video_frames"]
+           "video_frames"]
 
 
 def read_media_bytes(
@@ -72,15 +71,6 @@ def image_bytes(source: MediaSource, **read_options) -> bytes:
     data = read_media_bytes(source, **read_options)
     load_image(data)
     return data
-
-
-def subsample_frames(frames: np.ndarray, max_frames: int = MAX_VIDEO_FRAMES) -> np.ndarray:
-    """NeMo's LITA/VITA client rule: keep all frames up to `max_frames`, else evenly spaced ones (rounded)."""
-    count = len(frames)
-    if count <= max_frames:
-        return frames
-    keep = int(np.round(count / int(np.ceil(count / max_frames))))
-    return frames[np.round(np.linspace(0, count - 1, keep)).astype(int)]
 
 
 def video_frames(source: MediaSource, **read_options) -> np.ndarray:

@@ -218,10 +218,7 @@ class NemoQueryMultimodal:
             signal = media_io.audio_signal(media, **options)
             return {"input_signal": signal, "input_signal_length": np.array([signal.shape[0]], dtype=np.int32)}
         if self.model_type in VIDEO_MODEL_TYPES and (self.raw_pixels or isinstance(media, np.ndarray)):
-            frames = media_io.video_frames(media, **options)
-            if self.model_type in ("lita", "vita"):
-                frames = media_io.subsample_frames(frames)
-            return {"input_media": frames}
+            return {"input_media": media_io.video_frames(media, **options)}  # the server samples the frames
         if self.raw_pixels and self.model_type not in VIDEO_MODEL_TYPES and self.model_type != "salm":
             return {"input_media": media_io.image_pixels(media, **options)[np.newaxis]}
         return {"input_media_bytes": np.array([self._encoded(media)], dtype=object)}

@@ -94,24 +94,32 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     (None, "--tokenizer_path", str, None, None, "local tokenizer, if not in the checkpoint"),
     (None, "--audio_frontend", str, ("nemo-2.4", "nemo-2.5"), None,
      "SALM: the NeMo release whose audio front end the checkpoint was trained with (default: its declaration, else nemo-2.5)"),
+    (None, "--video_frame_sampling", str, ("training", "nemo-export"), None,
+     "LITA/VITA: sample video frames as the model was trained (default) or as NeMo's TensorRT export runtime did"),
+    (None, "--quantization", str, None, None,
+     "store the LLM layers' weights quantized: int8_wo, int4_wo, int4_awq (calibrated on --calib_data) or fp8"),
+    (None, "--calib_data", str, None, None, "int4_awq: calibration prompts, a text file, one a line (default: bundled)"),
     (None, "--openai_port", int, None, None, "port of an OpenAI-compatible HTTP API (/v1/chat/completions)"),
     (None, "--openai_address", str, None, None, "address the OpenAI API listens on (default: --triton_http_address)"),
     (None, "--openai_max_request_bytes", int, None, None,
-     "bytes of one OpenAI request body (default: room for media_max_items media as base64, plus 1 MiB)"),
-    (None, "--media_timeout_s", float, None, 10.0, "total time to fetch one media URL"),
+     "bytes of one OpenAI request body (default: what the media caps allow, media_max_request_bytes (or "
+     "media_max_items x media_max_bytes if smaller) as base64, plus 1 MiB of text and 64 KiB: about 44 MB)"),
+    (None, "--media_timeout_s", float, None, 10.0,
+     "one deadline per media URL: connecting, headers, body and every redirect"),
     (None, "--media_max_bytes", int, None, 20 * 1024 * 1024, "bytes of one media item"),
     (None, "--media_max_image_pixels", int, None, 40_000_000, "width x height of one image"),
     (None, "--media_max_video_frames", int, None, 20_000, "frames of one video"),
     (None, "--media_max_video_duration_s", float, None, 3600.0, "seconds of one video"),
     (None, "--media_max_audio_duration_s", float, None, 600.0, "seconds of one audio clip"),
     (None, "--media_max_items", int, None, 8, "media items in one OpenAI request"),
+    (None, "--media_max_request_bytes", int, None, 32 * 1024 * 1024, "bytes of all media of one OpenAI request"),
     (None, "--media_allowed_domains", str, None, None, "comma-separated hosts media URLs may come from (default: any)"),
     (None, "--media_local_dir", str, None, None, "folder media file:// URLs may be read from (default: none)"),
 )
 OPTIONAL_VALUE = {"use_lora_plugin": "auto"}  # given alone, the flag takes this value
 FLAG_OPTIONS = ("streaming", "media_allow_private_networks")
 DEFAULTS = {long[2:]: default for _, long, _, _, default, _ in OPTIONS} | {"lora_target_modules": None}
-DEFAULTS |= {name: False for name in FLAG_OPTIONS}
+DEFAULTS |= {name: False for name in FLAG_OPTIONS} | {"verify_engine": None}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="also serve <triton_model_name>_stream, a decoupled model that streams the answer as it is generated",
+    )
+    parser.add_argument(
+        "--verify_engine",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="check the sha256 of every engine file at load (default: when the files were not verified in their "
+        "current state before; sizes are always checked)",
     )
     parser.add_argument(
         "--media_allow_private_networks",
@@ -187,6 +202,8 @@ def _validate(settings: dict) -> None:
             settings[long[2:]] = value = float(value)  # a YAML config may write 10 for 10.0
         if value is not None and not isinstance(value, kind):
             raise ValueError(f"{long} must be {kind.__name__}, got {value!r}")
+    if settings["verify_engine"] not in (None, True, False):
+        raise ValueError(f"verify_engine must be true or false, got {settings['verify_engine']!r}")
     for value in settings["lora_target_modules"] or ():
         if value not in LORA_TARGET_MODULES:
             raise ValueError(
@@ -196,6 +213,12 @@ def _validate(settings: dict) -> None:
         raise ValueError(
             "no model name: give -tmn/--triton_model_name or set triton_model_name in the config"
         )
+    if (settings["quantization"] or settings["calib_data"]) and not settings["visual_checkpoint"]:
+        raise ValueError("--quantization and --calib_data apply to an export: give -vc/--visual_checkpoint too")
+    if settings["quantization"]:
+        from exporter.llm.config import QuantConfig  # the exporter only when asked (the script starts without it)
+
+        QuantConfig(settings["quantization"])  # an unknown method fails here, naming the supported ones
     if settings["visual_checkpoint"] and not settings["model_type"]:
         raise ValueError("exporting a checkpoint needs -mt/--model_type")
     if settings["model_type"]:
@@ -219,9 +242,7 @@ def build_deployable(settings: argparse.Namespace):
     """The exporter loaded from the repository, or after exporting the checkpoint into it."""
     exporting = settings.visual_checkpoint is not None
     repository = Path(settings.triton_model_repository)
-    if exporting:
-        repository.mkdir(parents=True, exist_ok=True)
-    else:
+    if not exporting:
         check_model_repository(repository)
     try:
         from exporter import TensorRTMMExporter
@@ -232,7 +253,7 @@ def build_deployable(settings: argparse.Namespace):
     try:
         exporter = TensorRTMMExporter(
             model_dir=str(repository), load_model=not exporting, modality=settings.modality,
-            media_policy=media_policy(settings), **extra
+            media_policy=media_policy(settings), verify_engine=settings.verify_engine, **extra
         )
         if exporting:
             step = "the export"
@@ -262,7 +283,8 @@ def _export_arguments(settings: argparse.Namespace) -> dict:
         "max_lora_rank": settings.max_lora_rank,
         "lora_checkpoint_path": settings.lora_checkpoint_path,
     }
-    for name in ("vision_tower_path", "tokenizer_path", "audio_frontend"):
+    for name in ("vision_tower_path", "tokenizer_path", "audio_frontend", "video_frame_sampling", "quantization",
+                 "calib_data"):
         if getattr(settings, name) is not None:
             arguments[name] = getattr(settings, name)
     return arguments
@@ -281,6 +303,7 @@ def media_policy(settings: argparse.Namespace):
         max_video_duration_s=settings.media_max_video_duration_s,
         max_audio_duration_s=settings.media_max_audio_duration_s,
         max_items=settings.media_max_items,
+        max_request_bytes=settings.media_max_request_bytes,
         allowed_domains=None if domains is None else tuple(d for d in domains.split(",") if d.strip()),
         allow_private_networks=bool(settings.media_allow_private_networks),
         local_dir=settings.media_local_dir,
@@ -293,8 +316,7 @@ def start_openai_server(settings: argparse.Namespace, deployer: DeployPyTriton):
     if settings.openai_port is None:
         return None
     from deploy.metrics import CountRequests
-    from deploy.openai_api import create_app
-    from deploy.openai_server import OpenAIServer
+    from deploy.openai import OpenAIServer, create_app
 
     app = create_app(deployer.model, settings.triton_model_name, media_policy(settings),
                      settings.openai_max_request_bytes)

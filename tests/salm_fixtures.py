@@ -88,8 +88,9 @@ class TinySalm:
     sp_path: Path
 
 
-def build_salm(folder: Path, seed: int = 0) -> TinySalm:
-    """Write a tiny SALM `.nemo` (NeMo-1 layout, float32) into `folder`."""
+def build_salm(folder: Path, seed: int = 0, llm_family=None) -> TinySalm:
+    """Write a tiny SALM `.nemo` (NeMo-1 layout, float32) into `folder`; `llm_family` (a `llm_families.Family`
+    of hidden size 64, vocab 384) replaces the Llama and its LoRA."""
     folder.mkdir(parents=True, exist_ok=True)
     sp_path = tokenizer_file(folder)
     torch.manual_seed(seed)
@@ -105,9 +106,14 @@ def build_salm(folder: Path, seed: int = 0) -> TinySalm:
             merged.get_parameter(name).add_(delta)
     weights = hf_llama_to_nemo(llm.state_dict(), HEADS, GROUPS)
     weights.update(nemo_lora)
+    peft = {"peft": PEFT_CONFIG}
+    if llm_family is not None:
+        llm = merged = llm_family.hf
+        weights, peft = dict(llm_family.weights), {}
     weights.update({f"perception.{name}": value for name, value in perception.state_dict().items()})
-    config = {**LLM_CONFIG, "tokenizer": _tokenizer_config(sp_path), "perception": PERCEPTION_CONFIG,
-              "peft": PEFT_CONFIG, "data": DATA_CONFIG, "freeze_llm": True, "freeze_audio_encoder": False}
+    config = {**LLM_CONFIG, **(llm_family.config if llm_family is not None else {}),
+              "tokenizer": _tokenizer_config(sp_path), "perception": PERCEPTION_CONFIG, **peft, "data": DATA_CONFIG,
+              "freeze_llm": True, "freeze_audio_encoder": False}
     nemo = write_nemo(folder / "salm.nemo", config, weights, artifacts={"tokenizer.model": sp_path})
     return TinySalm(nemo, merged, llm, perception, sp_path)
 

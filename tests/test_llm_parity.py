@@ -264,8 +264,12 @@ def gpt2_to_nemo(hf: GPT2LMHeadModel, heads: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("hf_activation, nemo_activation", [("gelu_new", "openai-gelu"), ("gelu", "gelu")])
-def test_gpt2_learned_positions_gelu_bias_tied_head_match(hf_activation, nemo_activation):
+@pytest.mark.parametrize(
+    "hf_activation, nemo_activation, fusion",
+    [("gelu_new", "openai-gelu", True), ("gelu_new", "gelu", True), ("gelu", "gelu", False)],
+    ids=["openai-gelu", "fused-bias-gelu-is-tanh", "unfused-gelu-is-erf"],
+)
+def test_gpt2_learned_positions_gelu_bias_tied_head_match(hf_activation, nemo_activation, fusion):
     heads = 4
     config = GPT2Config(
         vocab_size=VOCAB,
@@ -288,6 +292,7 @@ def test_gpt2_learned_positions_gelu_bias_tied_head_match(hf_activation, nemo_ac
         "num_attention_heads": heads,
         "normalization": "layernorm",
         "activation": nemo_activation,
+        "bias_activation_fusion": fusion,
         "bias": True,
         "position_embedding_type": "learned_absolute",
         "max_position_embeddings": 64,
@@ -437,7 +442,7 @@ def test_config_round_trips_through_a_dict():
         ),
         ({"position_embedding_type": "alibi"}, "position_embedding_type='alibi' is not supported"),
         ({"transformer_block_type": "post_ln"}, "transformer_block_type='post_ln' is not supported"),
-        ({"num_moe_experts": 8}, "mixture-of-experts"),
+        ({"num_moe_experts": 8, "moe_shared_expert_intermediate_size": 64}, "moe_shared_expert_intermediate_size"),
         ({"num_query_groups": 3}, r"num_attention_heads \(4\) must be a multiple of num_query_groups \(3\)"),
         ({"rotary_percentage": 1.5}, r"rotary_percentage must be in \(0, 1\]"),
         ({"ffn_hidden_size": None}, "model config has no ffn_hidden_size"),

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import base64
-import http.server
 import io
 import struct
-import threading
 import time
 import zlib
 
@@ -21,11 +19,13 @@ from exporter.media_safety import (
     MediaTooLargeError,
     check_audio,
     check_image,
+    check_redirect,
     check_url,
     check_video,
     load_checked,
     read_media_bytes,
 )
+from media_host import MediaHost
 
 OPEN = MediaPolicy(allow_private_networks=True)  # the loopback test server is a private address
 
@@ -67,35 +67,10 @@ def _wav(seconds: float) -> bytes:
     return buffer.getvalue()
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):  # noqa: N802 - the name http.server calls
-        if self.path == "/slow":
-            time.sleep(1.5)
-        if self.path.startswith("/redirect"):
-            self.send_response(302)
-            target = self.path.partition("?to=")[2] or "/redirect"  # no target: a redirect loop
-            self.send_header("Location", target)
-            self.end_headers()
-            return
-        body = b"x" * 5000 if self.path == "/big" else _png()
-        self.send_response(200)
-        if self.path != "/big":
-            self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_):
-        pass
-
-
 @pytest.fixture(scope="module")
 def server():
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    httpd.shutdown()
-    httpd.server_close()
+    with MediaHost({"a.png": _png(), "image.png": _png()}, trickle_s=0.2, slow_hop_s=0.6) as host:
+        yield host.url
 
 
 def test_data_urls_and_bytes_are_capped():
@@ -144,8 +119,13 @@ def test_url_schemes_and_domain_allow_list():
 
 
 def test_private_addresses_are_refused_unless_allowed(server):
-    with pytest.raises(MediaNotAllowedError, match="non-public address 127.0.0.1.*allow_private_networks"):
-        read_media_bytes(f"{server}/a.png", MediaPolicy())
+    port = server.rpartition(":")[2]
+    for url in (f"{server}/a.png", f"http://localhost:{port}/a.png", f"http://[::1]:{port}/a.png",
+                "http://169.254.169.254/latest/meta-data"):
+        with pytest.raises(MediaNotAllowedError, match="non-public address .*allow_private_networks"):
+            read_media_bytes(url, MediaPolicy())
+    with pytest.raises(MediaError, match="not a valid URL"):  # octal spellings of an address are refused too
+        read_media_bytes(f"http://0177.0.0.1:{port}/a.png", MediaPolicy())
     assert read_media_bytes(f"{server}/a.png", OPEN) == _png()
 
 
@@ -154,17 +134,47 @@ def test_redirects_are_checked_and_limited(server):
     assert read_media_bytes(f"{server}/redirect?to=/a.png", policy) == _png()
     with pytest.raises(MediaNotAllowedError, match="evil.example is not on the allow-list"):
         read_media_bytes(f"{server}/redirect?to=http://evil.example/a.png", policy)
-    with pytest.raises(MediaError, match="more than 3 redirects"):
+    with pytest.raises(MediaError, match="redirected more than 3 times .*max_redirects"):
         read_media_bytes(f"{server}/redirect", policy)
+    with pytest.raises(MediaNotAllowedError, match="redirects to a file: URL; .*only lead to http"):
+        read_media_bytes(f"{server}/redirect?to=file:///etc/passwd", policy)
 
 
-def test_url_timeout_and_streamed_byte_cap(server):
+def test_redirect_targets_are_checked_as_first_urls():
+    public = "https://images.example.com/a.png"
+    assert check_redirect(public, "/b.png", MediaPolicy()) == "https://images.example.com/b.png"
+    for target in ("http://10.0.0.1/a.png", "http://[::ffff:127.0.0.1]/a.png", "http://169.254.169.254/"):
+        with pytest.raises(MediaNotAllowedError, match="non-public address"):
+            check_redirect(public, target, MediaPolicy())
+    with pytest.raises(MediaNotAllowedError, match="redirects to a file: URL"):
+        check_redirect(public, "file:///etc/passwd", MediaPolicy(local_dir="/"))
+    with pytest.raises(MediaNotAllowedError, match="not on the allow-list"):
+        check_redirect(public, "https://elsewhere.example.org/", MediaPolicy(allowed_domains=("example.com",)))
+
+
+@pytest.mark.parametrize("route, stage", [
+    ("trickle-headers", "waiting for the response headers"),
+    ("trickle-body", "reading the body"),
+    ("slow-redirect?hops=4", "redirected to"),
+])
+def test_one_deadline_covers_every_step_and_redirect(server, route, stage):
+    policy = MediaPolicy(timeout_s=1.5, allow_private_networks=True)
     started = time.monotonic()
-    with pytest.raises(MediaError, match="longer than 0.3 s .*media_timeout_s"):
-        read_media_bytes(f"{server}/slow", MediaPolicy(timeout_s=0.3, allow_private_networks=True))
-    assert time.monotonic() - started < 1.4
-    with pytest.raises(MediaTooLargeError, match="over the cap of 1000"):  # no Content-Length: counted while read
+    with pytest.raises(MediaError, match="longer than 1.5 s .*media_timeout_s") as refused:
+        read_media_bytes(f"{server}/{route}", policy)
+    assert time.monotonic() - started < 1.5 + 1.0
+    assert stage in str(refused.value)
+
+
+def test_http_errors_and_byte_caps(server):
+    with pytest.raises(MediaError, match="HTTP 404"):
+        read_media_bytes(f"{server}/missing", OPEN)
+    with pytest.raises(MediaTooLargeError, match="over the cap of 1000"):  # declared in Content-Length
         read_media_bytes(f"{server}/big", MediaPolicy(max_bytes=1000, allow_private_networks=True))
+    with pytest.raises(MediaTooLargeError, match="over the cap of 1000"):  # no Content-Length: counted while read
+        read_media_bytes(f"{server}/big_no_length", MediaPolicy(max_bytes=1000, allow_private_networks=True))
+    with pytest.raises(MediaError, match="could not be resolved"):
+        read_media_bytes("http://no-such-host.invalid/a.png", OPEN)
 
 
 def test_image_checks_format_and_pixels_from_the_header():

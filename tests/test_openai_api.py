@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
-import functools
-import http.server
 import io
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -29,13 +26,13 @@ import sentencepiece
 from PIL import Image
 
 from conftest import load_demo_builder, stop_server, wait_until_ready
-from deploy.openai_api import create_app
-from deploy.openai_server import OpenAIServer
+from deploy.openai import OpenAIServer, create_app
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.llm.generate import SamplingParams
 from exporter.media_safety import MediaPolicy
 from exporter.runtime import Request
+from media_host import MediaHost
 from query import NemoQueryMultimodal
 from salm_fixtures import build_salm, write_clips
 from serving_support import poll_ready
@@ -111,25 +108,6 @@ def noise_png(size: int) -> bytes:
     return buffer.getvalue()
 
 
-@contextlib.contextmanager
-def image_host(folder: Path):
-    """A plain HTTP server on loopback serving `folder`; yields its base URL."""
-    handler = functools.partial(_QuietHandler, directory=str(folder))
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}"
-    finally:
-        httpd.shutdown()
-        httpd.server_close()
-
-
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, *args) -> None:
-        pass
-
-
 # --- fixtures -------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -143,13 +121,18 @@ def demo(triton_demo):  # noqa: F811 - the imported fixture
 @pytest.fixture(scope="module")
 def babbler(tmp_path_factory):
     """(exporter, OpenAI base URL, image) of a tiny random Neva that rarely says EOS."""
-    folder = tmp_path_factory.mktemp("babbler")
-    vlm = build_vlm(folder / "ckpt", tokenizer_file(folder))
-    exporter = TensorRTMMExporter(folder / "engine", device="cpu")
-    exporter.export(vlm.nemo, model_type="neva", dtype="float32", max_batch_size=4, max_input_len=200,
-                    max_output_len=BABBLE_MAX_OUTPUT, max_multimodal_len=4 * 16)
+    exporter = tiny_neva(tmp_path_factory.mktemp("babbler"), BABBLE_MAX_OUTPUT, max_batch_size=4)
     with serving(create_app(exporter, "babbler")) as url:
         yield exporter, url, random_image(3)
+
+
+def tiny_neva(folder: Path, max_output_len: int, max_batch_size: int = 2) -> TensorRTMMExporter:
+    """A tiny random Neva (16 features per image, prompts up to 200 tokens) exported in-process for the CPU."""
+    vlm = build_vlm(folder / "ckpt", tokenizer_file(folder))
+    exporter = TensorRTMMExporter(folder / "engine", device="cpu")
+    exporter.export(vlm.nemo, model_type="neva", dtype="float32", max_batch_size=max_batch_size, max_input_len=200,
+                    max_output_len=max_output_len, max_multimodal_len=max_batch_size * 16)
+    return exporter
 
 
 def png_bytes(image: Image.Image) -> bytes:
@@ -347,7 +330,8 @@ def test_a_model_failure_answers_500(demo, monkeypatch):
 def test_media_urls_follow_the_policy(demo):
     _, exporter, _ = demo
     ask_url = "{}/red_circle.png"
-    with image_host(IMAGES) as host:
+    with MediaHost(folder=IMAGES) as media_host:
+        host = media_host.url
         body = {"model": MODEL, "messages": image_message(SHAPE_Q, ask_url.format(host))}
         with serving(create_app(exporter, MODEL)) as url:  # default: only public addresses
             assert_error_object(*post(url + "/chat/completions", body), 400, "media_allow_private_networks")
@@ -525,8 +509,8 @@ def test_deploy_script_serves_openai_and_curl_gets_plain_and_streamed_answers(de
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
         big = {"model": MODEL, "messages": image_message(SHAPE_Q, data_url(noise_png(64)))}
         assert_error_object(*post(f"{url}/chat/completions", big), 413, "max_bytes")  # --media_max_bytes
-        with image_host(IMAGES) as host:  # --media_allow_private_networks is off
-            remote = {"model": MODEL, "messages": image_message(SHAPE_Q, host + "/green_square.png")}
+        with MediaHost(folder=IMAGES) as host:  # --media_allow_private_networks is off
+            remote = {"model": MODEL, "messages": image_message(SHAPE_Q, host.url + "/green_square.png")}
             assert_error_object(*post(f"{url}/chat/completions", remote), 400, "media_allow_private_networks")
     finally:
         stop_server(server, 120)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
-import http.server
 import io
-import threading
 import time
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from media_host import MediaHost
 from query import MediaError, NemoQueryMultimodal
 from query import media as media_io
 from query.query_multimodal import _request_groups, _stack, server_error_summary
@@ -35,35 +35,10 @@ def png_file(tmp_path):
     return path, pixels
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    payload = _png(_pixels(1))
-
-    def do_GET(self):  # noqa: N802 - the name http.server calls
-        if self.path == "/slow":
-            time.sleep(1.5)
-        if self.path == "/missing":
-            self.send_error(404)
-            return
-        body = b"x" * 5000 if self.path.startswith("/big") else self.payload
-        self.send_response(200)
-        if self.path != "/big_no_length":
-            self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *_):
-        pass
-
-
 @pytest.fixture(scope="module")
 def http_url():
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}"
-    server.shutdown()
-    server.server_close()
+    with MediaHost({"image.png": _png(_pixels(1))}, trickle_s=0.2) as host:
+        yield host.url
 
 
 def test_path_is_sent_as_its_file_bytes(png_file):
@@ -121,19 +96,18 @@ def test_url_byte_cap(http_url):
 def test_url_timeout_and_http_error(http_url):
     started = time.monotonic()
     with pytest.raises(MediaError, match="longer than 0.3 s"):
-        media_io.read_media_bytes(f"{http_url}/slow", timeout_s=0.3)
+        media_io.read_media_bytes(f"{http_url}/trickle-headers", timeout_s=0.3)
     assert time.monotonic() - started < 1.4
     with pytest.raises(MediaError, match="HTTP 404"):
         media_io.read_media_bytes(f"{http_url}/missing")
 
 
-def test_subsample_frames_follows_nemo_rule():
-    frames = np.arange(600)
-    kept = media_io.subsample_frames(frames)
-    # ceil(600 / 256) = 3 -> round(600 / 3) = 200 frames spread over the whole clip
-    assert len(kept) == 200 and kept[0] == 0 and kept[-1] == 599
-    assert np.all(np.diff(kept) >= 2)
-    assert len(media_io.subsample_frames(np.arange(256))) == 256
+def test_url_from_inside_an_event_loop(http_url):
+    """The synchronous fetch also works where an event loop already runs (a notebook, an async caller)."""
+    async def caller() -> np.ndarray:
+        return media_io.image_pixels(f"{http_url}/image.png")
+
+    np.testing.assert_array_equal(asyncio.run(caller()), _pixels(1))
 
 
 def test_video_frames_decoded(tmp_path):
@@ -173,7 +147,7 @@ def test_media_goes_on_the_wire_encoded_by_default(png_file):
 
 def test_video_and_audio_wire_forms(tmp_path):
     video = NemoQueryMultimodal("localhost", "m", "lita")._media_inputs(np.zeros((300, 4, 4, 3), np.uint8))
-    assert video["input_media"].shape == (150, 4, 4, 3)
+    assert video["input_media"].shape == (300, 4, 4, 3)  # every frame: the server samples them as trained
     (tmp_path / "a.wav").write_bytes(b"RIFF....")
     audio = NemoQueryMultimodal("localhost", "m", "salm")._media_inputs(str(tmp_path / "a.wav"))
     assert audio["input_media_bytes"][0] == b"RIFF...."

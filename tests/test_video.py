@@ -13,6 +13,7 @@ from exporter.perception.video import (
     VideoLimits,
     VideoLoadError,
     lita_num_sample_frames,
+    padded_indices,
     read_frames,
     rounded_indices,
     video_neva_indices,
@@ -65,6 +66,12 @@ def lossless_video(frames: np.ndarray) -> bytes:
 
 def random_frames(count: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
+
+
+def selected(source, select) -> np.ndarray:
+    """`read_frames` expanded to one frame per selected index."""
+    frame_set = read_frames(source, select)
+    return frame_set.frames[list(frame_set.order)]
 
 
 # --- sampling rules ------------------------------------------------------------------------------------------------
@@ -125,16 +132,16 @@ def test_decodes_generated_videos(tmp_path, container, from_path):
     if from_path:
         source = tmp_path / f"clip.{container}"
         source.write_bytes(data)
-    everything = read_frames(source, lambda length: range(length))
+    everything = selected(source, lambda length: range(length))
     assert everything.shape == (10, 24, 32, 3) and everything.dtype == np.uint8
     assert frame_numbers(everything) == list(range(10))
     picked = read_frames(source, lambda length: [length - 1, 0, 3, 3])
-    assert frame_numbers(picked) == [9, 0, 3, 3]
+    assert frame_numbers(picked.frames) == [9, 0, 3] and picked.order == (0, 1, 2, 2)  # a repeat is kept once
 
 
 def test_selection_gets_the_exact_frames_in_order():
     frames = random_frames(5)
-    got = read_frames(lossless_video(frames), lambda length: video_neva_indices(length, 8))
+    got = selected(lossless_video(frames), lambda length: video_neva_indices(length, 8))
     np.testing.assert_array_equal(got, frames[[0, 1, 2, 3, 4, 4, 4, 4]])
 
 
@@ -142,19 +149,22 @@ def test_a_wrong_packet_count_is_corrected_by_the_decoded_count(monkeypatch):
     frames = random_frames(6)
     real_scan = video._scan
     monkeypatch.setattr(video, "_scan", lambda *args: real_scan(*args) + 3)  # as if the container said 9 frames
-    got = read_frames(lossless_video(frames), lambda length: rounded_indices(length, 3))
+    got = selected(lossless_video(frames), lambda length: rounded_indices(length, 3))
     np.testing.assert_array_equal(got, frames[[0, 2, 5]])  # sampled from the 6 frames actually decoded
 
 
 def test_frame_arrays_and_images_are_accepted():
     frames = random_frames(7)
-    np.testing.assert_array_equal(read_frames(frames, lambda n: rounded_indices(n, 3)), frames[[0, 3, 6]])
+    np.testing.assert_array_equal(selected(frames, lambda n: rounded_indices(n, 3)), frames[[0, 3, 6]])
+    padded = read_frames(frames[:2], lambda n: padded_indices(n, 5))
+    np.testing.assert_array_equal(padded.frames, frames[:2])  # the repeated last frame is held once
+    assert padded.order == (0, 1, 1, 1, 1)
     image = frames[0]
-    np.testing.assert_array_equal(read_frames(image, lambda n: [0] * n), image[np.newaxis])
-    np.testing.assert_array_equal(read_frames(Image.fromarray(image), lambda n: [0, 0]), np.stack([image] * 2))
+    np.testing.assert_array_equal(selected(image, lambda n: [0] * n), image[np.newaxis])
+    np.testing.assert_array_equal(selected(Image.fromarray(image), lambda n: [0, 0]), np.stack([image] * 2))
     png = io.BytesIO()
     Image.fromarray(image).save(png, format="PNG")
-    np.testing.assert_array_equal(read_frames(png.getvalue(), lambda n: range(n)), image[np.newaxis])
+    np.testing.assert_array_equal(selected(png.getvalue(), lambda n: range(n)), image[np.newaxis])
 
 
 # --- caps ----------------------------------------------------------------------------------------------------------

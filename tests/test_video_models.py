@@ -88,7 +88,7 @@ def settings(token_format="im_vid_start_end", arch="temporal_all_resolution", sa
 @pytest.mark.parametrize("count, chosen", [(5, [0, 2, 4]), (2, [0, 1])])  # F = min(T, sample_frames = 3)
 def test_im_vid_block_and_layout_by_hand(count, chosen):
     frames = torch.randn(count, 2, 4)  # T frames, S = 2 tokens, H = 4
-    block = lita_features(frames, settings())
+    block = lita_features(frames, tuple(range(count)), settings())
     spatial = [frames[f, s] for f in chosen for s in range(2)]
     temporal = [(frames[t, 0] + frames[t, 1]) / 2 for t in range(count)]
     torch.testing.assert_close(block, torch.stack(spatial + temporal))
@@ -104,7 +104,7 @@ def test_im_vid_block_and_layout_by_hand(count, chosen):
 
 def test_temporal_spatial_pool_by_hand():
     frames = torch.randn(6, 16, 3)  # 6 frames of a 4x4 token grid
-    block = lita_features(frames, settings("v1", "temporal_spatial_pool", sample_frames=6))
+    block = lita_features(frames, tuple(range(6)), settings("v1", "temporal_spatial_pool", sample_frames=6))
     temporal = [frames[t].mean(0) for t in range(6)]
     pooled = []
     for t in (0, 2, 3, 5):  # round(linspace(0, 5, 4))
@@ -113,19 +113,34 @@ def test_temporal_spatial_pool_by_hand():
             for j in range(2):
                 pooled.append(grid[2 * i : 2 * i + 2, 2 * j : 2 * j + 2].reshape(4, 3).mean(0))
     torch.testing.assert_close(block, torch.stack(temporal + pooled))
-    assert features_per_video(settings("v1", "temporal_spatial_pool", sample_frames=6), 16) == block.shape[0]
+    assert features_per_video(settings("v1", "temporal_spatial_pool", num_frames=6), 16) == block.shape[0]
+    with pytest.raises(ValueError, match="even side, got 9 tokens"):  # training's span holds S pooled tokens
+        features_per_video(settings("v1", "temporal_spatial_pool"), 9)
 
 
 def test_temporal_spatial_by_hand():
     frames = torch.randn(4, 3, 2)
-    block = lita_features(frames, settings("v1", "temporal_spatial", sample_frames=4))
+    block = lita_features(frames, (0, 1, 2, 3), settings("v1", "temporal_spatial", sample_frames=4))
     expected = [frames[t].mean(0) for t in range(4)] + [frames[:, s].mean(0) for s in range(3)]
     torch.testing.assert_close(block, torch.stack(expected))
 
 
-def lita_config(token_format="im_vid_start_end", arch="temporal_all_resolution", llm_type="v1", **mm):
+def test_repeated_frames_count_in_every_token():
+    frames = torch.randn(3, 4, 2)  # 3 distinct frames of a 2x2 grid, sampled as 0, 1, 2, 2, 2
+    order, padded = (0, 1, 2, 2, 2), frames[[0, 1, 2, 2, 2]]
+    for arch in ("temporal_spatial", "temporal_spatial_pool"):
+        once = lita_features(frames, order, settings("v1", arch))
+        torch.testing.assert_close(once, lita_features(padded, tuple(range(5)), settings("v1", arch)))
+    spatial_mean = (frames[0] + frames[1] + 3 * frames[2]) / 5  # the last frame weighs 3 of 5
+    torch.testing.assert_close(lita_features(frames, order, settings("v1", "temporal_spatial"))[5:], spatial_mean)
+    all_resolution = lita_features(frames, order, settings(sample_frames=3))  # frames round(linspace(0, 4, 3))
+    torch.testing.assert_close(all_resolution[:12], torch.cat([frames[0], frames[2], frames[2]]))
+
+
+def lita_config(token_format="im_vid_start_end", arch="temporal_all_resolution", llm_type="v1", num_frames=256,
+                **mm):
     return OmegaConf.create({
-        "data": {"num_frames": 256},
+        "data": {"num_frames": num_frames},
         "mm_cfg": {"llm": {"model_type": llm_type}, "lita": {"visual_token_format": token_format,
                                                              "lita_video_arch": arch, "sample_frames": 4}, **mm},
     })
@@ -137,7 +152,12 @@ def test_settings_from_config():
     llama_3 = lita_settings(lita_config(llm_type="llama_3"))
     assert (llama_3.im_start, llama_3.im_end) == ("<|reserved_special_token_4|>", "<|reserved_special_token_5|>")
     assert llama_3.vid_start == "<extra_id_8>"
-    assert lita_settings(OmegaConf.create({"mm_cfg": {}})).video_arch == "temporal_spatial_pool"  # NeMo defaults
+    defaults = lita_settings(OmegaConf.create({"mm_cfg": {}, "data": {"num_frames": 8}}))  # NeMo's defaults
+    assert (defaults.video_arch, defaults.visual_token_format, defaults.sample_frames) == ("temporal_spatial_pool",
+                                                                                           "v1", 4)
+    # NeMo's export runtime sampled v1 videos to sample_frames and never read data.num_frames
+    v1 = lita_config("v1", "temporal_spatial", num_frames=-1)
+    assert lita_settings(v1, "nemo-export").max_frames == 4
 
 
 @pytest.mark.parametrize(
@@ -146,6 +166,7 @@ def test_settings_from_config():
         (lita_config("v2"), "visual_token_format 'v2' is not one of"),
         (lita_config("v1", "temporal_all_resolution"), "does not go with visual_token_format 'v1'"),
         (lita_config(use_im_start_end=True), "use_im_start_end True has no training layout"),
+        (lita_config("v1", "temporal_spatial", num_frames=-1), "need data.num_frames .* >= 1, got -1"),
     ],
 )
 def test_bad_lita_configs_are_named(cfg, message):
@@ -156,10 +177,10 @@ def test_bad_lita_configs_are_named(cfg, message):
 # --- tiny perception engines built, saved and loaded like an export ---------------------------------------------------
 
 
-def export_and_load(tmp_path, name, cfg, state):
+def export_and_load(tmp_path, name, cfg, state, sampling=None):
     kind = get_model_type(name)
     encoder = kind.build_perception(cfg, state, dtype=torch.float32, vision_tower_path=None)
-    facts = kind.save_perception(encoder, tmp_path / "visual_engine", cfg)
+    facts = kind.save_perception(encoder, tmp_path / "visual_engine", cfg, video_frame_sampling=sampling)
     perception = kind.load_perception(tmp_path / "visual_engine", device="cpu", dtype=torch.float32)
     assert facts["features_per_item"] == perception.features_per_item
     return perception
@@ -179,11 +200,13 @@ def test_video_neva_features_are_frame_major(tmp_path, clip_tower):
     state = {**tower_state(clip_tower), **projector_state("linear")}
     perception = export_and_load(tmp_path, "video-neva", video_neva_config(), state)
     frames = random_frames(3)
-    (pixels,) = perception.load_media(frames)
+    (video,) = perception.load_media(frames)
+    assert video.order == (0, 1, 2, 2)  # 3 frames padded to num_frames=4 with the last, held once
+    pixels = video.pixels[list(video.order)]
     expected_pixels = torch.stack([perception.preprocessor.preprocess_one(frames[i]) for i in (0, 1, 2, 2)])
-    torch.testing.assert_close(pixels, expected_pixels)  # 3 frames padded to num_frames=4 with the last
+    torch.testing.assert_close(pixels, expected_pixels)
 
-    (block,) = perception.encode([pixels])
+    (block,) = perception.encode([video])
     with torch.no_grad():
         hidden = clip_tower(pixel_values=pixels, output_hidden_states=True).hidden_states[-2][:, 1:]
     per_frame = project_by_hand("linear", hidden, state)  # [4 frames, 16 tokens, H]
@@ -213,8 +236,8 @@ def test_video_neva_needs_a_frame_count(tmp_path, clip_tower):
         export_and_load(tmp_path, "video-neva", video_neva_config(num_frames=-1), state)
     spliced = export_and_load(tmp_path, "video-neva", video_neva_config(splice_single_frame="last"), state)
     assert spliced.features_per_item == 16
-    (pixels,) = spliced.load_media(random_frames(5))
-    torch.testing.assert_close(pixels[0], spliced.preprocessor.preprocess_one(random_frames(5)[4]))
+    (video,) = spliced.load_media(random_frames(5))
+    torch.testing.assert_close(video.pixels[0], spliced.preprocessor.preprocess_one(random_frames(5)[4]))
 
 
 @pytest.fixture(scope="module")
@@ -232,16 +255,18 @@ def vita_config():
     })
 
 
-def test_vita_video_block_against_transformers(tmp_path, siglip_tower):
+def test_vita_nemo_export_sampling_against_transformers(tmp_path, siglip_tower):
     state = {**tower_state(siglip_tower), **projector_state("mlp_downsample")}
-    perception = export_and_load(tmp_path, "vita", vita_config(), state)
+    perception = export_and_load(tmp_path, "vita", vita_config(), state, sampling="nemo-export")
     frames = random_frames(6)
-    (pixels,) = perception.load_media(lossless_video(frames))
+    (video,) = perception.load_media(lossless_video(frames))
     # 6 frames > num_frames 4: round(6 / ceil(6 / 4)) = 3 frames, round(linspace(0, 5, 3)) = 0, 2, 5
     sampled = torch.stack([perception.preprocessor.preprocess_one(frames[i]) for i in (0, 2, 5)])
-    torch.testing.assert_close(pixels, sampled)
+    assert video.order == (0, 1, 2)
+    torch.testing.assert_close(video.pixels, sampled)
 
-    (block,) = perception.encode([pixels])
+    pixels = video.pixels
+    (block,) = perception.encode([video])
     with torch.no_grad():
         hidden = siglip_tower(pixel_values=pixels, output_hidden_states=True).hidden_states[-2]
     per_frame = project_by_hand("mlp_downsample", hidden, state)  # [3, 9, H]
@@ -298,11 +323,12 @@ def test_lita_takes_an_image_as_one_frame(tmp_path, siglip_tower):
     perception = export_and_load(tmp_path, "lita", vita_config(),
                                  {**tower_state(siglip_tower), **projector_state("mlp_downsample")})
     image = random_frames(1)[0]
-    (pixels,) = perception.load_media(image)
-    (block,) = perception.encode([pixels])
-    assert block.shape == (9 + 1, LLM_HIDDEN)  # one frame: S spatial rows + one temporal row
+    (video,) = perception.load_media(image)
+    assert video.pixels.shape[0] == 1 and video.order == (0, 0, 0, 0)  # padded to num_frames=4, encoded once
+    (block,) = perception.encode([video])
+    assert block.shape == (2 * 9 + 4, LLM_HIDDEN)  # sample_frames 2 x S spatial rows + num_frames temporal rows
     layout = perception.layout("<image>", [block], CharTokenizer(), get_template("plain"), False)
-    assert layout.token_ids(MEDIA) == [4] + [MEDIA] * 9 + [5, 8, MEDIA, 9]
+    assert layout.token_ids(MEDIA) == ([4] + [MEDIA] * 9 + [5]) * 2 + [8] + [MEDIA] * 4 + [9]
     with pytest.raises(MultimodalInputError, match="one video per request"):
         perception.load_media([image, image])
     np.testing.assert_array_equal(image, random_frames(1)[0])  # input untouched
@@ -328,13 +354,14 @@ def llama_checkpoint_parts(tmp_path_factory, clip_tower):
     return folder, hf, config, weights, projector, tokenizer_file, clip_tower
 
 
-def export_pipeline(parts, name, extra_config):
+def export_pipeline(parts, name, extra_config, sampling=None):
     folder, _hf, config, weights, _projector, tokenizer_file, _clip = parts
     cfg = OmegaConf.merge(model_config("mlp2x_gelu", llm_hidden=HIDDEN), config, extra_config)
     nemo = write_nemo(folder / f"{name}.nemo", cfg, weights, artifacts={"tokenizer.model": tokenizer_file})
     engine_dir = folder / f"engine_{name}"
     export_engine(engine_dir, nemo, model_type=name, dtype="float32",
-                  limits=EngineLimits(max_input_len=512, max_multimodal_len=256, max_output_len=8))
+                  limits=EngineLimits(max_input_len=512, max_multimodal_len=256, max_output_len=8),
+                  video_frame_sampling=sampling)
     return Pipeline(load_engine(engine_dir))
 
 
@@ -396,11 +423,12 @@ def test_video_neva_pipeline_matches_transformers(llama_checkpoint_parts):
     assert answer.texts == [reference_answer(pipeline, hf, embeds)]
 
 
-def test_lita_pipeline_matches_transformers(llama_checkpoint_parts):
+def test_lita_nemo_export_pipeline_matches_transformers(llama_checkpoint_parts):
     lita = {"visual_token_format": "im_vid_start_end", "lita_video_arch": "temporal_all_resolution",
             "sample_frames": 2}
     pipeline = export_pipeline(llama_checkpoint_parts, "lita",
-                               {"data": {"num_frames": 4, "conv_template": "v1"}, "mm_cfg": {"lita": lita}})
+                               {"data": {"num_frames": 4, "conv_template": "v1"}, "mm_cfg": {"lita": lita}},
+                               sampling="nemo-export")
     frames = random_frames(6, seed=3)
     video, text, hf = lossless_video(frames), "<image>\nwhat happens", llama_checkpoint_parts[1]
     (answer,) = pipeline.run([Request(text, media=video, params=SamplingParams(max_output_len=6))])

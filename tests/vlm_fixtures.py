@@ -71,9 +71,10 @@ def tokenizer_file(folder: Path) -> Path:
 
 def build_vlm(folder: Path, sp_path: Path, *, tower_type="clip", projector_type="mlp2x_gelu", layout="legacy",
               tp_size=1, mcore=True, tower_at="checkpoint", template="v1", aspect="square", seed=0,
-              config_overrides: dict | None = None) -> TinyVlm:
+              config_overrides: dict | None = None, llm_family=None) -> TinyVlm:
     """Write a tiny Neva-style ``.nemo``; ``tower_at`` is checkpoint | from_pretrained | vision_tower_path;
-    ``config_overrides`` are merged into model_config.yaml (e.g. the video types' ``data`` and ``mm_cfg.lita``)."""
+    ``config_overrides`` are merged into model_config.yaml (e.g. the video types' ``data`` and ``mm_cfg.lita``);
+    ``llm_family`` (a ``llm_families.Family`` of hidden size 64, vocab 384) replaces the Llama."""
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     vocab = 384  # the 300-piece SentencePiece vocab padded to a multiple of 128, as NeMo pads it
@@ -84,6 +85,8 @@ def build_vlm(folder: Path, sp_path: Path, *, tower_type="clip", projector_type=
     tower = _tower(tower_type)
     projector = _projector(projector_type, seed)
     weights = hf_llama_to_nemo(llm.state_dict(), HEADS, GROUPS)
+    if llm_family is not None:
+        llm, weights = llm_family.hf, dict(llm_family.weights)
     weights.update({f"{PROJECTOR_PREFIX}{name}": value for name, value in projector.items()})
     vision = {"from_pretrained": "example-org/tiny-tower-not-downloaded", "from_hf": True,
               "hidden_size": TOWER_HIDDEN, "patch_dim": PATCH, "crop_size": [IMAGE, IMAGE],
@@ -111,6 +114,7 @@ def build_vlm(folder: Path, sp_path: Path, *, tower_type="clip", projector_type=
         "mm_cfg": {"llm": {"freeze": True, "model_type": template}, "vision_encoder": vision,
                    "mm_mlp_adapter_type": projector_type, "use_im_start_end": False},
         "data": {"media_type": "image", "image_aspect_ratio": aspect, "conv_template": template},
+        **(llm_family.config if llm_family is not None else {}),
     }
     if config_overrides:
         config = OmegaConf.to_container(OmegaConf.merge(config, config_overrides))

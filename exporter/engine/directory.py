@@ -9,9 +9,8 @@ Layout (docs/engine_format.md)::
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -23,21 +22,20 @@ from safetensors.torch import load_file, save_file
 from ..checkpoint import NemoCheckpoint
 from ..llm.config import DecoderConfig
 from ..llm.model import Decoder, select_llm_weights
+from ..llm.quant.convert import ExportQuantization
 from ..llm.tokenizer import Tokenizer, load_saved_tokenizer
 from ..lora import merge_lora
 from ..media_safety import MediaPolicy
 from ..models import Perception, get_model_type
 from ..models.templates import ChatTemplate
+from .atomic import install, previous_engine, staging_folder
+from .errors import EngineError
+from .integrity import MANIFEST, check_files, describe_files, mark_verified, sha256_file
 from .limits import EngineLimits
 
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
+FORMAT_VERSION = 2
 LLM_DIR = "llm_engine"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-class EngineError(RuntimeError):
-    """The engine directory is missing, incomplete or of another format version."""
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -47,24 +45,48 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *, model_type: str = "neva",
+def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *,
+                  delete_existing_files: bool = True, **options: Any) -> dict[str, Any]:
+    """Read the checkpoint(s), build perception and LLM, write the engine directory; return the manifest.
+
+    Atomic (`exporter.engine.atomic`): the engine is built and validated beside the previous one, which it then
+    replaces; a failure leaves `model_dir` as it was. `options` are `_write_engine`'s.
+    """
+    model_dir = Path(model_dir)
+    previous = previous_engine(model_dir, delete_existing_files)
+    with staging_folder(model_dir) as staging:
+        manifest = _write_engine(staging, visual_checkpoint_path, **options)
+        check_files(staging, manifest, verify=False)  # every file listed, of its size, safetensors readable
+        mark_verified(staging, manifest["files"])  # the hashes were just taken from these files
+        install(staging, model_dir, previous)
+    return manifest
+
+
+def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_type: str = "neva",
                   llm_checkpoint_path: str | Path | None = None, llm_model_type: str = "llama",
                   limits: EngineLimits | None = None, dtype: str = "bfloat16",
                   vision_tower_path: str | None = None, tokenizer_path: str | None = None,
                   export_onnx: bool = False, rename_keys: tuple[str, ...] = (),
-                  audio_frontend: str | None = None) -> dict[str, Any]:
-    """Read the checkpoint(s), build perception and LLM, write the engine directory; return the manifest."""
+                  audio_frontend: str | None = None, video_frame_sampling: str | None = None,
+                  quantization: str | None = None, calib_data: str | Path | None = None,
+                  device: str = "cpu") -> dict[str, Any]:
+    """Write a new engine into the empty folder `model_dir`; return its manifest.
+
+    ``quantization`` (``int8_wo``, ``int4_wo``, ``int4_awq``, ``fp8``) stores the LLM layers' weights quantized,
+    computed on ``device``; ``calib_data``: int4_awq's calibration prompts (a text file, one per line)."""
     kind = get_model_type(model_type)
+    quantizer = None if quantization is None and calib_data is None else \
+        ExportQuantization.from_options(quantization, calib_data, device)
     target = torch_dtype(dtype)
     limits = limits or EngineLimits()
-    model_dir = Path(model_dir)
     checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
     config = checkpoint.config
     weights = checkpoint.state_dict()
 
     encoder = kind.build_perception(config, weights, dtype=torch.float32 if target == torch.float32 else target,
                                     vision_tower_path=vision_tower_path, audio_frontend=audio_frontend)
-    perception_facts = kind.save_perception(encoder, model_dir / kind.perception_dir, config)
+    perception_facts = kind.save_perception(encoder, model_dir / kind.perception_dir, config,
+                                            video_frame_sampling=video_frame_sampling)
     limits.check_export(perception_facts["features_per_item"])
     if export_onnx:
         kind.export_onnx(encoder, model_dir / kind.perception_dir)
@@ -80,8 +102,9 @@ def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *, 
     if not llm_weights:
         raise EngineError(f"{llm_checkpoint.path} holds no LLM weights; give the LLM checkpoint as "
                           "llm_checkpoint_path (-lc/--llm_checkpoint)")
-    _write_llm(model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target)
     tokenizer = llm_checkpoint.tokenizer(tokenizer_path=tokenizer_path)
+    llm_config = _write_llm(model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target,
+                            None if quantizer is None else lambda config, w: quantizer.apply(config, w, tokenizer))
     tokenizer_description = tokenizer.save(model_dir / LLM_DIR)
     (model_dir / LLM_DIR / "tokenizer_description.json").write_text(json.dumps(tokenizer_description, indent=2))
     (model_dir / LLM_DIR / "template.json").write_text(json.dumps(kind.chat_template(config).to_dict(), indent=2))
@@ -92,39 +115,38 @@ def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *, 
         "modality": kind.modality,
         "llm_model_type": llm_model_type,
         "dtype": dtype,
+        "quantization": llm_config.to_dict()["quantization"],
         "limits": limits.to_dict(),
         "features_per_item": perception_facts["features_per_item"],
         "source": _describe_source(visual_checkpoint_path, llm_checkpoint_path),
         "package_version": _package_version(),
+        "files": describe_files(model_dir),
     }
     (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
 
-def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-    """Cast the decoder weights one tensor at a time (never two full copies) and save them with the config."""
+def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+               quantize: Callable[[DecoderConfig, dict[str, torch.Tensor]], DecoderConfig] | None = None
+               ) -> DecoderConfig:
+    """Cast the decoder weights one tensor at a time (never two full copies), quantize them if asked, and save
+    them with the config (returned)."""
     directory.mkdir(parents=True, exist_ok=True)
     vocab_size = int(weights["embedding.word_embeddings.weight"].shape[0])
     decoder_config = DecoderConfig.from_nemo(model_config, vocab_size=vocab_size)
     for name in list(weights):
         weights[name] = weights.pop(name).to(dtype).contiguous()
+    if quantize is not None:
+        decoder_config = quantize(decoder_config, weights)
     Decoder.from_state_dict(decoder_config, {k: v.to("meta") for k, v in weights.items()})  # names/shapes check
     (directory / "config.json").write_text(json.dumps(decoder_config.to_dict(), indent=2))
     save_file(weights, str(directory / "model.safetensors"))
+    return decoder_config
 
 
 def _describe_source(*paths: str | Path | None) -> list[dict[str, str]]:
-    return [{"name": Path(p).name, "sha256": _sha256(Path(p))} for p in paths if p is not None]
-
-
-def _sha256(path: Path) -> str:
-    if path.is_dir():
-        return "directory"
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return [{"name": Path(p).name, "sha256": "directory" if Path(p).is_dir() else sha256_file(Path(p))}
+            for p in paths if p is not None]
 
 
 def _package_version() -> str:
@@ -159,18 +181,27 @@ def read_manifest(model_dir: str | Path) -> dict[str, Any]:
     path = Path(model_dir) / MANIFEST
     if not path.is_file():
         raise EngineError(f"{model_dir} is not an engine directory (no {MANIFEST}); export a checkpoint into it first")
-    manifest = json.loads(path.read_text())
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise EngineError(f"{path} has format version {manifest.get('format_version')}, this package reads "
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise EngineError(f"{MANIFEST} of {model_dir} is unreadable ({err}); export the checkpoint again") from None
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise EngineError(f"{path} has format version {version}, this package reads "
                           f"{FORMAT_VERSION}; export the checkpoint again")
     return manifest
 
 
 def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = None,
-                media: MediaPolicy | None = None) -> Engine:
-    """Load an exported engine directory (no checkpoint, no network) onto ``device``; ``media`` caps decoding."""
+                media: MediaPolicy | None = None, verify: bool | None = None) -> Engine:
+    """Load an exported engine directory (no checkpoint, no network) onto ``device``; ``media`` caps decoding.
+
+    File sizes are always checked; sha256 hashes when ``verify`` (None: when the files were not verified in their
+    current state before, see `exporter.engine.integrity`). A bad file is an EngineError naming it.
+    """
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
+    check_files(model_dir, manifest, verify)
     kind = get_model_type(manifest["model_type"])
     target = torch_dtype(dtype or manifest["dtype"])
     llm_dir = model_dir / LLM_DIR
@@ -182,15 +213,3 @@ def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = 
     perception = kind.load_perception(model_dir / kind.perception_dir, device=device, dtype=target,
                                       media=media)
     return Engine(manifest, EngineLimits(**manifest["limits"]), decoder, tokenizer, template, perception)
-
-
-def prepare_model_dir(model_dir: str | Path, delete_existing_files: bool) -> Path:
-    """Create ``model_dir``; clear it when asked, refuse a non-empty one otherwise (NeMo's behaviour)."""
-    model_dir = Path(model_dir)
-    if model_dir.exists() and any(model_dir.iterdir()):
-        if not delete_existing_files:
-            raise EngineError(f"There are files in this folder ({model_dir}). Try setting delete_existing_files=True.")
-        for entry in model_dir.iterdir():
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-    model_dir.mkdir(parents=True, exist_ok=True)
-    return model_dir

@@ -2,11 +2,13 @@
 
 A batch-1 decode step is the weights read once: each linear layer is a matrix-vector product whose time is its
 weight bytes over memory bandwidth. On CUDA a Triton kernel streams the weight rows (autotuned per shape); the
-first call of each weight shape times it against cuBLAS and keeps the faster, so it can only help. Other shapes,
-devices and row counts use `F.linear`.
+first call of each weight shape times it against cuBLAS and keeps the faster, so it can only help (`fastest`, which
+the quantized products in `exporter.llm.quant` use too). Other shapes, devices and row counts use `F.linear`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -18,34 +20,37 @@ try:
 except ImportError:  # no Triton (CPU-only installs): F.linear everywhere
     triton = None
 
-# (N, K, dtype) -> whether the Triton kernel beat cuBLAS on this device
-_CHOICES: dict[tuple[int, int, torch.dtype], bool] = {}
+# key -> the name of the candidate that was fastest for it on this device
+_CHOICES: dict[tuple, str] = {}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """`F.linear(x, weight, bias)`; a single row of `x` on CUDA goes to the faster of Triton's kernel and cuBLAS."""
-    if triton is None or not x.is_cuda or x.numel() != x.shape[-1] or weight.dtype not in (torch.bfloat16,
-                                                                                            torch.float16):
+    if (triton is None or not x.is_cuda or x.numel() != x.shape[-1] or weight.dtype not in (torch.bfloat16,
+                                                                                             torch.float16)
+            or x.dtype != weight.dtype or not weight.is_contiguous()):
         return F.linear(x, weight, bias)
-    key = (weight.shape[0], weight.shape[1], weight.dtype)
-    if key not in _CHOICES:
-        if torch.cuda.is_current_stream_capturing():  # no timing inside a capture: keep cuBLAS
-            return F.linear(x, weight, bias)
-        _CHOICES[key] = _triton_is_faster(x, weight, bias)
-    return _gemv(x, weight, bias) if _CHOICES[key] else F.linear(x, weight, bias)
+    return fastest((weight.shape[0], weight.shape[1], weight.dtype),
+                   {"cublas": lambda: F.linear(x, weight, bias), "triton": lambda: _gemv(x, weight, bias)}, "cublas")
+
+
+def fastest(key: tuple, candidates: Mapping[str, Callable[[], Tensor]], default: str) -> Tensor:
+    """Run the candidate (equivalent ways to compute one product) that was fastest the first time `key` was seen
+    on this device; that first time times each of them. An unseen key inside a CUDA graph capture, where nothing
+    may be timed, runs `default`."""
+    choice = _CHOICES.get(key)
+    if choice is None:
+        if torch.cuda.is_current_stream_capturing():
+            return candidates[default]()
+        times = {name: triton.testing.do_bench(run, warmup=10, rep=40) for name, run in candidates.items()}
+        choice = _CHOICES[key] = min(times, key=times.__getitem__)
+    return candidates[choice]()
 
 
 def choices() -> dict[str, str]:
-    """Which kernel each weight shape uses, for reports: `"NxK dtype" -> "triton" | "cublas"`."""
-    return {f"{n}x{k} {dtype}": "triton" if fast else "cublas" for (n, k, dtype), fast in _CHOICES.items()}
-
-
-def _triton_is_faster(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
-    if not weight.is_contiguous() or x.dtype != weight.dtype:
-        return False
-    ours = triton.testing.do_bench(lambda: _gemv(x, weight, bias), warmup=10, rep=40)
-    theirs = triton.testing.do_bench(lambda: F.linear(x, weight, bias), warmup=10, rep=40)
-    return ours < theirs
+    """Which candidate each key (weight shape and dtype, and for quantized weights the method and row bucket)
+    uses, for reports."""
+    return {" ".join(map(str, key)): name for key, name in _CHOICES.items()}
 
 
 def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:

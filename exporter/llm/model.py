@@ -19,12 +19,13 @@ from torch import Tensor, nn
 
 from .config import DecoderConfig
 from .gemv import linear
+from .moe import expert_mlp, route
+from .quant.linear import QuantLinear
 
+# GELU ("gelu", "geglu") is applied with the config's approximation; "openai-gelu" is always the tanh form.
 _ACTIVATION_FUNCTIONS = {
     "swiglu": F.silu,
-    "geglu": F.gelu,
     "reglu": F.relu,
-    "gelu": F.gelu,
     "openai-gelu": lambda x: F.gelu(x, approximate="tanh"),
     "squared-relu": lambda x: F.relu(x).square(),
 }
@@ -33,6 +34,7 @@ _ACTIVATION_FUNCTIONS = {
 # perception) is someone else's.
 _LLM_KEY_PREFIXES = ("decoder.", "output_layer.")
 _LLM_EMBEDDING_KEYS = ("embedding.word_embeddings.weight", "embedding.position_embeddings.weight")
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)  # what `dtype` casts (not int8/uint8/float8 weights)
 
 
 def select_llm_weights(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
@@ -186,13 +188,18 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> Tensor:
 
 
 @_fused_on_cuda(token_args=(0,))
-def _activate(h: Tensor, activation: str, gated: bool) -> Tensor:
+def _activate(h: Tensor, activation: str, gated: bool, gelu_approximation: str) -> Tensor:
     """`act(gate) * up` of the fused `[gate; up]` fc1 output `[N, 2F]`, or `act(h)`."""
-    act = _ACTIVATION_FUNCTIONS[activation]
     if gated:
         gate, up = h.chunk(2, dim=-1)
-        return act(gate) * up
-    return act(h)
+        return _act(gate, activation, gelu_approximation) * up
+    return _act(h, activation, gelu_approximation)
+
+
+def _act(x: Tensor, activation: str, gelu_approximation: str) -> Tensor:
+    if activation in ("gelu", "geglu"):
+        return F.gelu(x, approximate=gelu_approximation)
+    return _ACTIVATION_FUNCTIONS[activation](x)
 
 
 class Linear(nn.Module):
@@ -207,6 +214,13 @@ class Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def _layer_linear(config: DecoderConfig, in_features: int, out_features: int) -> Linear | QuantLinear:
+    """A decoder layer's linear module: its weight in the model dtype, or stored as `config.quantization` says."""
+    if config.quantization is None:
+        return Linear(in_features, out_features, bias=config.bias)
+    return QuantLinear(in_features, out_features, config.bias, config.quantization)
 
 
 class Norm(nn.Module):
@@ -278,8 +292,8 @@ class SelfAttention(nn.Module):
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
         qkv_rows = (self.heads + 2 * self.groups) * self.head_dim
-        self.linear_qkv = Linear(config.hidden_size, qkv_rows, bias=config.bias)
-        self.linear_proj = Linear(self.heads * self.head_dim, config.hidden_size, bias=config.bias)
+        self.linear_qkv = _layer_linear(config, config.hidden_size, qkv_rows)
+        self.linear_proj = _layer_linear(config, self.heads * self.head_dim, config.hidden_size)
 
     def forward(self, x: Tensor, attention: _Attention) -> Tensor:
         batch, length, _ = x.shape
@@ -303,32 +317,87 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
-        self.gated = config.gated
-        self.activation = config.activation
-        fc1_rows = 2 * config.ffn_hidden_size if self.gated else config.ffn_hidden_size
-        self.linear_fc1 = Linear(config.hidden_size, fc1_rows, bias=config.bias)
-        self.linear_fc2 = Linear(config.ffn_hidden_size, config.hidden_size, bias=config.bias)
+        self.activation = (config.activation, config.gated, config.gelu_approximation)
+        fc1_rows = 2 * config.ffn_hidden_size if config.gated else config.ffn_hidden_size
+        self.linear_fc1 = _layer_linear(config, config.hidden_size, fc1_rows)
+        self.linear_fc2 = _layer_linear(config, config.ffn_hidden_size, config.hidden_size)
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.linear_fc1(x)
-        h = _activate(h.view(-1, h.shape[-1]), self.activation, self.gated)
+        h = _activate(h.view(-1, h.shape[-1]), *self.activation)
         return self.linear_fc2(h.view(*x.shape[:-1], -1))
 
 
+class Router(nn.Module):
+    """Megatron's top-k router: `weight [experts, H]` scores each token's experts (in float32)."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.num_moe_experts, config.hidden_size))
+        self.route = functools.partial(route, topk=config.moe_router_topk, pre_softmax=config.moe_router_pre_softmax,
+                                       score_function=config.moe_router_score_function,
+                                       scaling_factor=config.moe_router_topk_scaling_factor)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Tokens `[N, H]` -> (weights `[N, k]` float32, experts `[N, k]`)."""
+        return self.route(F.linear(x.float(), self.weight.float()))
+
+
+class ExpertLinear(nn.Module):
+    """The same linear layer of every expert, stacked: `weight [experts, out, in]`."""
+
+    def __init__(self, experts: int, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
+
+
+class Experts(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        ffn = config.expert_ffn_hidden_size
+        self.linear_fc1 = ExpertLinear(config.num_moe_experts, config.hidden_size, 2 * ffn if config.gated else ffn)
+        self.linear_fc2 = ExpertLinear(config.num_moe_experts, ffn, config.hidden_size)
+
+
+class MoELayer(nn.Module):
+    """A mixture-of-experts MLP (Megatron's `MoELayer`): each token through its router's top-k experts, their
+    outputs summed with the router's weights (`exporter.llm.moe`)."""
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.router = Router(config)
+        self.experts = Experts(config)
+        self.activation = (config.activation, config.gated, config.gelu_approximation)
+
+    def forward(self, x: Tensor) -> Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(flat)
+        out = expert_mlp(flat, self.experts.linear_fc1.weight, self.experts.linear_fc2.weight, weights, chosen,
+                         lambda h: _activate(h, *self.activation))
+        return out.view(x.shape)
+
+
 class TransformerLayer(nn.Module):
+    """Pre-norm layer: attention, then the MLP (or a mixture of experts); with `parallel_attention_mlp` both read
+    the layer input (Falcon), through one shared norm when `shared_input_norm`."""
+
     def __init__(self, config: DecoderConfig, layer_number: int):
         super().__init__()
+        self.parallel = config.parallel_attention_mlp
         self.input_layernorm = Norm(config)
         self.self_attention = SelfAttention(config, layer_number)
-        self.pre_mlp_layernorm = Norm(config)
-        self.mlp = MLP(config)
+        self.pre_mlp_layernorm = None if config.shared_input_norm else Norm(config)
+        self.mlp = MoELayer(config) if config.num_moe_experts else MLP(config)
 
     def forward(self, x: Tensor, delta: Tensor | None, attention: _Attention) -> tuple[Tensor, Tensor]:
         """Add the previous layer's output `delta` to the residual stream `x`; return the stream and this layer's
         output (each residual add is fused into the norm that follows it)."""
         x, h = self.input_layernorm(x, delta)
-        x, h = self.pre_mlp_layernorm(x, self.self_attention(h, attention))
-        return x, self.mlp(h)
+        if not self.parallel:
+            x, h = self.pre_mlp_layernorm(x, self.self_attention(h, attention))
+            return x, self.mlp(h)
+        mlp_input = h if self.pre_mlp_layernorm is None else self.pre_mlp_layernorm(x)[1]
+        return x, self.self_attention(h, attention) + self.mlp(mlp_input)
 
 
 class Embedding(nn.Module):
@@ -369,15 +438,23 @@ class Decoder(nn.Module):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
     ) -> Decoder:
-        """Build on the meta device and take the given tensors as parameters (cast/moved only if asked)."""
+        """Build on the meta device and take the given tensors as parameters (cast/moved only if asked; quantized
+        weights keep their stored dtype, their scales take `dtype`)."""
         with torch.device("meta"):
             model = cls(config)
-        expected, given = set(model.state_dict()), set(state_dict)
+        shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+        expected, given = set(shapes), set(state_dict)
         if expected != given:
             raise ValueError(
                 _describe_key_mismatch(config, missing=expected - given, unexpected=given - expected)
             )
-        weights = {k: v.to(device=device, dtype=dtype) for k, v in state_dict.items()}
+        wrong = [f"{name}: {list(state_dict[name].shape)}, the config gives {list(shape)}"
+                 for name, shape in shapes.items() if tuple(state_dict[name].shape) != shape]
+        if wrong:
+            raise ValueError("tensor shapes do not match the model config (check num_query_groups, kv_channels, "
+                             "ffn_hidden_size, num_moe_experts):\n" + "\n".join(sorted(wrong)[:8]))
+        weights = {k: v.to(device=device, dtype=dtype if v.dtype in _FLOAT_DTYPES else None)
+                   for k, v in state_dict.items()}
         model.load_state_dict(weights, strict=True, assign=True)
         return model.requires_grad_(False).eval()
 
@@ -427,6 +504,8 @@ class Decoder(nn.Module):
             x = x + self.embedding.position_embeddings(
                 torch.arange(length, device=x.device)[None] if positions is None else positions
             )
+        if self.config.apply_embedding_scaling:  # Gemma: sqrt(hidden), rounded to the model dtype, as NeMo and HF
+            x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype).item()
         delta = None
         for layer in self.decoder.layers:
             x, delta = layer(x, delta, attention)
@@ -442,8 +521,9 @@ class Decoder(nn.Module):
 
     def _attention(self, positions: Tensor | None, kv_cache: KVCache | None, kv_len: int | None, batch: int,
                    length: int, device: torch.device) -> _Attention:
-        fresh = positions is None
-        if fresh:
+        window = self.config.attention_window
+        fresh = positions is None and (window is None or length <= window + 1)  # no key outside the window
+        if positions is None:
             positions = torch.arange(length, device=device).expand(batch, length)
         cos, sin = self.rope.cos_sin(positions) if self.rope is not None else (None, None)
         cache_rows = cache_positions = None
@@ -458,6 +538,8 @@ class Decoder(nn.Module):
             kv_len = kv_len or kv_cache.max_seq_len
             key_positions = torch.arange(kv_len, device=device)[None]
         allowed = key_positions[:, None, None, :] <= positions[:, None, :, None]  # [B,1,T,S]: causal, per row
+        if window is not None:
+            allowed &= key_positions[:, None, None, :] >= positions[:, None, :, None] - window
         mask = torch.zeros(allowed.shape, dtype=self.dtype, device=device).masked_fill_(~allowed, float("-inf"))
         return _Attention(False, cos, sin, kv_cache, cache_rows, cache_positions, kv_len, mask)
 
@@ -472,6 +554,9 @@ def _describe_key_mismatch(config: DecoderConfig, missing: set[str], unexpected:
         lines.append("hint: output_layer.weight is absent; set share_embeddings_and_output_weights: True")
     if "output_layer.weight" in unexpected:
         lines.append("hint: output_layer.weight is present; set share_embeddings_and_output_weights: False")
+    if any(".mlp.experts.weight" in k for k in unexpected):
+        lines.append("hint: expert weights in Megatron's GroupedMLP weight1/weight2 layout are not supported; "
+                     "save the checkpoint as a dist checkpoint or with per-expert weights")
     if any(k.endswith(".bias") for k in missing | unexpected):
         lines.append(
             f"hint: check `bias` (now {config.bias}) and `normalization` (now {config.normalization})"

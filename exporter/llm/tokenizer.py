@@ -1,6 +1,7 @@
 """One tokenizer interface over NeMo's SentencePiece models and local Hugging Face tokenizer folders.
 
-Nothing here downloads: Hugging Face tokenizers load with `local_files_only=True`.
+Nothing here downloads or runs a folder's code: Hugging Face tokenizers load with `local_files_only=True` and
+`trust_remote_code=False`.
 """
 
 from __future__ import annotations
@@ -136,7 +137,9 @@ class HuggingFaceTokenizer(Tokenizer):
         from transformers import AutoTokenizer
 
         try:
-            self._tok = AutoTokenizer.from_pretrained(str(name_or_path), local_files_only=True)
+            self._tok = AutoTokenizer.from_pretrained(  # a folder's own Python code never runs
+                str(name_or_path), local_files_only=True, trust_remote_code=False
+            )
         except (OSError, ValueError) as err:
             raise TokenizerError(
                 f"cannot load the Hugging Face tokenizer {str(name_or_path)!r} from local files ({err}). "

@@ -61,8 +61,10 @@ class ModelType(ABC):
         concerns vision types, ``audio_frontend`` (``"nemo-2.4"`` or ``"nemo-2.5"``) audio types; others ignore it."""
 
     @abstractmethod
-    def save_perception(self, encoder: torch.nn.Module, directory: Path, model_config: Any) -> dict:
-        """Write the encoder to ``directory``; return facts the manifest records (e.g. tokens per media item)."""
+    def save_perception(self, encoder: torch.nn.Module, directory: Path, model_config: Any, *,
+                        video_frame_sampling: str | None = None) -> dict:
+        """Write the encoder to ``directory``; return facts the manifest records (e.g. tokens per media item).
+        ``video_frame_sampling`` (``"training"`` or ``"nemo-export"``) concerns LITA/VITA; others ignore it."""
 
     @abstractmethod
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
@@ -90,8 +92,9 @@ class Perception(ABC):
         """Feature vectors one media item contributes (the unit of ``max_multimodal_len``)."""
 
     @abstractmethod
-    def load_media(self, media: Any) -> list[torch.Tensor]:
-        """Decode and preprocess one request's media into encoder inputs (one tensor per item)."""
+    def load_media(self, media: Any) -> list[Any]:
+        """Decode and preprocess one request's media into encoder inputs (one per item, a tensor or the type's
+        own structure)."""
 
     def media_items(self, media: Any) -> list[Any] | None:
         """The request's media split into the items ``load_media`` turns into one encoder input each, unchanged
@@ -99,7 +102,7 @@ class Perception(ABC):
         return None
 
     @abstractmethod
-    def encode(self, items: list[torch.Tensor]) -> list[torch.Tensor]:
+    def encode(self, items: list[Any]) -> list[torch.Tensor]:
         """Encode preprocessed items (from any number of requests) into one feature block ``[n, H]`` each."""
 
     @abstractmethod

@@ -38,7 +38,8 @@ class ImageModel(ModelType):
                          vision_tower_path: str | None, audio_frontend: str | None = None) -> VisionEncoder:
         return build_vision_encoder(model_config, state_dict, vision_tower_path, dtype=dtype)
 
-    def save_perception(self, encoder: VisionEncoder, directory: Path, model_config: Any) -> dict:
+    def save_perception(self, encoder: VisionEncoder, directory: Path, model_config: Any, *,
+                        video_frame_sampling: str | None = None) -> dict:
         directory.mkdir(parents=True, exist_ok=True)
         mm_cfg = model_config.get("mm_cfg") or {}
         config = {"model_type": self.name, "encoder": encoder.spec(),

@@ -51,7 +51,8 @@ class SalmModel(ModelType):
         perception.load_state_dict(weights)
         return perception.float().eval()
 
-    def save_perception(self, encoder: AudioPerception, directory: Path, model_config: Any) -> dict:
+    def save_perception(self, encoder: AudioPerception, directory: Path, model_config: Any, *,
+                        video_frame_sampling: str | None = None) -> dict:
         directory.mkdir(parents=True, exist_ok=True)
         section, _ = perception_section(model_config, {})
         per_second = features_per_second(encoder)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 from abc import abstractmethod
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +57,19 @@ def video_limits(media: MediaPolicy | None) -> VideoLimits | None:
     return VideoLimits(max_frames=media.max_video_frames, max_duration_s=media.max_video_duration_s,
                        max_frame_pixels=media.max_frame_pixels)
 
+
+@dataclass(frozen=True)
+class VideoPixels:
+    """One video's encoder input: its distinct sampled frames and the order the sampling takes them in."""
+
+    pixels: torch.Tensor  # [distinct, 3, S, S]
+    order: tuple[int, ...]  # the i-th sampled frame is pixels[order[i]]
+
+
 class VideoPerception(ImagePerception):
     """Runtime of the video types: one video (or image, a one-frame video) per request → sampled frames →
-    per-frame pixels → per-frame features ``[k, N, H]`` → the type's feature block, placed at ``<video>``."""
+    per-frame pixels → per-frame features → the type's feature block, placed at ``<video>``. A frame sampled
+    several times (a short video padded with its last frame) is preprocessed and encoded once."""
 
     placeholder = VIDEO_PLACEHOLDER
     placeholder_aliases = (IMAGE_PLACEHOLDER,)
@@ -74,8 +85,9 @@ class VideoPerception(ImagePerception):
         """Indices of the frames to encode, given the video's frame count."""
 
     @abstractmethod
-    def features_from_frames(self, frames: torch.Tensor) -> torch.Tensor:
-        """The video's feature block ``[n, H]`` from its per-frame features ``[k, N, H]``."""
+    def features_from_frames(self, frames: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+        """The video's feature block ``[n, H]`` from the features ``[distinct, N, H]`` of its distinct sampled
+        frames; the i-th sampled frame is ``frames[order[i]]``."""
 
     def media_items(self, media: Any) -> list[Any]:
         items = media_list(media)
@@ -83,19 +95,21 @@ class VideoPerception(ImagePerception):
             raise MultimodalInputError(f"send one video per request, got {len(items)} media items")
         return items
 
-    def load_media(self, media: Any) -> list[torch.Tensor]:
+    def load_media(self, media: Any) -> list[VideoPixels]:
         return [self._pixels(item) for item in self.media_items(media)]
 
-    def _pixels(self, source: Any) -> torch.Tensor:
+    def _pixels(self, source: Any) -> VideoPixels:
         frames = read_frames(source, self.frame_indices, self.limits)
-        return torch.stack([self.preprocessor.preprocess_one(frame) for frame in frames])
+        return VideoPixels(torch.stack([self.preprocessor.preprocess_one(frame) for frame in frames.frames]),
+                           frames.order)
 
-    def encode(self, items: list[torch.Tensor]) -> list[torch.Tensor]:
-        frame_features = super().encode([frame for video in items for frame in video])
+    def encode(self, items: list[VideoPixels]) -> list[torch.Tensor]:
+        frame_features = super().encode([frame for video in items for frame in video.pixels])
         blocks, start = [], 0
         for video in items:
-            blocks.append(self.features_from_frames(torch.stack(frame_features[start:start + len(video)])))
-            start += len(video)
+            count = len(video.pixels)
+            blocks.append(self.features_from_frames(torch.stack(frame_features[start:start + count]), video.order))
+            start += count
         return blocks
 
 
@@ -119,8 +133,8 @@ class VideoNevaPerception(VideoPerception):
     def frame_indices(self, length: int) -> list[int]:
         return video_neva_indices(length, self.num_frames, self.splice_single_frame)
 
-    def features_from_frames(self, frames: torch.Tensor) -> torch.Tensor:
-        return frames.reshape(-1, frames.shape[-1])
+    def features_from_frames(self, frames: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
+        return frames[list(order)].reshape(-1, frames.shape[-1])
 
 
 def video_neva_settings(model_config: Any) -> dict[str, Any]:
@@ -149,7 +163,8 @@ class VideoNevaModel(ImageModel):
         video_neva_settings(model_config)
         return super().build_perception(model_config, state_dict, dtype=dtype, vision_tower_path=vision_tower_path)
 
-    def save_perception(self, encoder: VisionEncoder, directory: Path, model_config: Any) -> dict:
+    def save_perception(self, encoder: VisionEncoder, directory: Path, model_config: Any, *,
+                        video_frame_sampling: str | None = None) -> dict:
         super().save_perception(encoder, directory, model_config)
         settings = video_neva_settings(model_config)
         write_config_section(directory, "video", settings)

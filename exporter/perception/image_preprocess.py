@@ -169,15 +169,21 @@ class ImagePreprocessor:
         if isinstance(image, np.ndarray):
             image = self._from_array(image)
         elif isinstance(image, (str, os.PathLike, bytes)):
+            if isinstance(image, bytes) and not image:
+                raise ImageLoadError("the image is empty (0 bytes); send an encoded image file")
             try:
                 image = Image.open(io.BytesIO(image) if isinstance(image, bytes) else os.fspath(image))
-            except (OSError, UnidentifiedImageError, Image.DecompressionBombError) as error:
+            except UnidentifiedImageError:
+                raise ImageLoadError(f"cannot read image {name}: not an image file of a known format") from None
+            except (OSError, Image.DecompressionBombError) as error:
                 raise ImageLoadError(f"cannot read image {name}: {error}") from None
         elif not isinstance(image, Image.Image):
             raise ImageLoadError(
                 f"unsupported image input {type(image).__name__}; pass a PIL image, a uint8 array or a path"
             )
         width, height = image.size
+        if not width or not height:
+            raise ImageLoadError(f"image {name} has no pixels ({width}x{height}); send an image of at least 1x1")
         if width * height > self.max_image_pixels:
             raise ImageLoadError(
                 f"image {name} has {width}x{height} = {width * height} pixels, over the limit of "
@@ -193,6 +199,8 @@ class ImagePreprocessor:
     def _from_array(array: np.ndarray) -> Image.Image:
         if array.dtype != np.uint8:
             raise ImageLoadError(f"image arrays must be uint8 [H,W,3] (0..255), got dtype {array.dtype}")
+        if array.size == 0:
+            raise ImageLoadError(f"the image array is empty (shape {list(array.shape)}); send at least 1x1 pixels")
         if array.ndim == 3 and array.shape[-1] == 1:
             array = array[..., 0]
         if array.ndim == 2 or (array.ndim == 3 and array.shape[-1] in (3, 4)):

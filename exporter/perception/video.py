@@ -3,13 +3,15 @@
 A source is a file path, the encoded bytes of a file (MP4, WebM, AVI, MKV, MOV: whatever FFmpeg reads), a uint8
 frame array `[T, H, W, 3]`, or an image (PIL image, uint8 `[H, W, 3]`, or a PNG/JPEG path or bytes), which counts
 as a video of one frame. `read_frames` asks a selector for the frame indices once it knows the frame count and
-returns only those frames, so a long video never sits in memory whole.
+keeps only those frames, each distinct one once (a selection padded with repeats costs no more memory), so a long
+video never sits in memory whole.
 
-Sampling rules (NeMo training; `exporter.models` picks the one its model type trained with):
-- `video_neva_indices`: `linspace(0, len-1, min(len, num_frames), dtype=int)` (truncation), then the last
-  frame repeated up to `num_frames` (`TarOrFolderVideoLoader.flatten_frames`);
-- `lita_num_sample_frames` + `rounded_indices`: LITA/VITA's `get_num_sample_frames` and
-  `round(linspace(0, len-1, k))` (numpy rounding: halves to even).
+Sampling rules (`exporter.models` picks the one its model type follows):
+- `padded_indices`: NeMo training's, for every video model (`TarOrFolderVideoLoader.flatten_frames`):
+  `linspace(0, len-1, min(len, num_frames), dtype=int)` (truncation), then the last frame repeated up to
+  `num_frames`; `video_neva_indices` adds Video-NeVA's all-frames and single-frame settings;
+- `lita_num_sample_frames` + `rounded_indices`: NeMo's export runtime for LITA/VITA (`get_num_sample_frames`,
+  `round(linspace(0, len-1, k))`, numpy rounding: halves to even), kept as an opt-in.
 """
 
 from __future__ import annotations
@@ -66,6 +68,13 @@ def video_neva_indices(length: int, num_frames: int, splice_single_frame: str | 
         return list(range(length))
     if num_frames < 1:
         raise ValueError(f"data.num_frames must be -1 (all frames) or at least 1, got {num_frames}")
+    return padded_indices(length, num_frames)
+
+
+def padded_indices(length: int, num_frames: int) -> list[int]:
+    """NeMo training's frames: `num_frames` evenly spaced ones (truncated `linspace`), the last repeated when the
+    video is shorter."""
+    _check_length(length)
     indices = np.linspace(0, length - 1, min(length, num_frames), dtype=int).tolist()
     return indices + [indices[-1]] * (num_frames - len(indices))
 
@@ -94,8 +103,16 @@ def _check_length(length: int) -> None:
         raise VideoLoadError("the video has no frames")
 
 
-def read_frames(source: VideoSource, select: FrameSelector, limits: VideoLimits = VideoLimits()) -> np.ndarray:
-    """The frames `select(frame_count)` names, in that order (repeats allowed), as uint8 `[k, H, W, 3]`."""
+@dataclass(frozen=True)
+class FrameSet:
+    """The frames a selection names, each distinct frame once: the i-th selected frame is `frames[order[i]]`."""
+
+    frames: np.ndarray  # uint8 [distinct, H, W, 3], in order of first selection
+    order: tuple[int, ...]  # one row of `frames` per selected index
+
+
+def read_frames(source: VideoSource, select: FrameSelector, limits: VideoLimits = VideoLimits()) -> FrameSet:
+    """The frames `select(frame_count)` names, in that order (repeats allowed)."""
     name = _describe(source)
     if isinstance(source, np.ndarray):
         return _pick(_checked_array(source, name, limits), select, name)
@@ -106,6 +123,8 @@ def read_frames(source: VideoSource, select: FrameSelector, limits: VideoLimits 
             f"unsupported video input {type(source).__name__}; pass a file path, the file's bytes, "
             "a uint8 frame array [T, H, W, 3] or an image"
         )
+    if isinstance(source, bytes) and not source:
+        raise VideoLoadError("the video is empty (0 bytes); send a video file")
     image = _open_image(source, name)
     if image is not None:
         return _pick(_image_frames(image, name, limits), select, name)
@@ -122,9 +141,16 @@ def _describe(source: Any) -> str:
     return f"<{type(source).__name__}>"
 
 
-def _pick(frames: np.ndarray, select: FrameSelector, name: str) -> np.ndarray:
-    indices = _checked_indices(select(len(frames)), len(frames), name)
-    return np.ascontiguousarray(frames[indices])
+def _pick(frames: np.ndarray, select: FrameSelector, name: str) -> FrameSet:
+    distinct, order = _distinct(_checked_indices(select(len(frames)), len(frames), name))
+    return FrameSet(np.ascontiguousarray(frames[distinct]), order)
+
+
+def _distinct(indices: list[int]) -> tuple[list[int], tuple[int, ...]]:
+    """The distinct indices in order of first use, and each index's position among them."""
+    distinct = list(dict.fromkeys(indices))
+    row = {index: position for position, index in enumerate(distinct)}
+    return distinct, tuple(row[index] for index in indices)
 
 
 def _checked_indices(indices: Sequence[int], length: int, name: str) -> list[int]:
@@ -155,8 +181,10 @@ def _checked_array(frames: np.ndarray, name: str, limits: VideoLimits) -> np.nda
         raise VideoLoadError(f"video arrays must be uint8 RGB (0..255), got dtype {frames.dtype} for {name}")
     if frames.ndim == 3 and frames.shape[-1] == 3:  # one image
         frames = frames[np.newaxis]
-    if frames.ndim != 4 or frames.shape[-1] != 3 or 0 in frames.shape:
+    if frames.ndim != 4 or frames.shape[-1] != 3:
         raise VideoLoadError(f"video arrays must be RGB frames [T, H, W, 3] (or one image [H, W, 3]), got {name}")
+    if frames.size == 0:
+        raise VideoLoadError(f"the video array {name} is empty; send at least one frame of at least 1x1 pixels")
     _check_frame_count(frames.shape[0], name, limits)
     _check_pixels(frames.shape[2], frames.shape[1], name, limits)
     return frames
@@ -260,7 +288,7 @@ def _decode(source: str | os.PathLike | bytes, wanted: set[int], name: str, limi
 
 
 def _decode_selected(source: str | os.PathLike | bytes, select: FrameSelector, limits: VideoLimits,
-                     name: str) -> np.ndarray:
+                     name: str) -> FrameSet:
     count = _scan(source, name, limits)
     indices = _checked_indices(select(count), count, name)
     kept, decoded = _decode(source, set(indices), name, limits)
@@ -270,7 +298,8 @@ def _decode_selected(source: str | os.PathLike | bytes, select: FrameSelector, l
         indices = _checked_indices(select(decoded), decoded, name)
         if not set(indices) <= kept.keys():
             kept, _ = _decode(source, set(indices), name, limits)
-    shapes = {kept[i].shape for i in indices}
+    distinct, order = _distinct(indices)
+    shapes = {kept[i].shape for i in distinct}
     if len(shapes) != 1:
         raise VideoLoadError(f"video {name} changes frame size mid-stream ({sorted(shapes)}); re-encode it")
-    return np.stack([kept[i] for i in indices])
+    return FrameSet(np.stack([kept[i] for i in distinct]), order)

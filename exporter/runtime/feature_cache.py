@@ -28,7 +28,7 @@ def media_key(item: Any) -> str | None:
     if isinstance(item, (bytes, bytearray, memoryview)):
         digest.update(item)
         return "bytes:" + digest.hexdigest()
-    if isinstance(item, np.ndarray) and not item.dtype.hasobject:
+    if isinstance(item, np.ndarray) and not item.dtype.hasobject and item.size:  # empty: refused when decoded
         digest.update(f"{item.dtype.str}{item.shape}".encode())
         digest.update(memoryview(np.ascontiguousarray(item)).cast("B"))
         return "array:" + digest.hexdigest()

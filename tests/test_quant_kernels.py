@@ -1,0 +1,137 @@
+"""The quantized Triton kernels, run on the CPU by Triton's interpreter, against dequantize-then-matmul.
+
+Triton takes `TRITON_INTERPRET=1` into account only if it is set before Triton is imported, so in an ordinary
+test run this file has one test, which runs this file again in a child pytest with the variable set; there the
+kernel checks below are collected. Shapes: LLaVA-1.5-7B's layer shapes scaled down by 16, and unaligned ones
+(odd N, K not a multiple of the group, K not a multiple of 32). Skipped without Triton.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from exporter.llm.config import QUANT_METHODS, QuantConfig  # noqa: E402
+from exporter.llm.quant.formats import QuantLayout, dequantize, quantize  # noqa: E402
+
+# (N, K): LLaVA's qkv, proj, fc1 [gate; up], fc2 over 16; then unaligned
+LLAVA_SCALED = ((768, 256), (256, 256), (1376, 256), (256, 688))
+UNALIGNED = ((37, 100), (33, 90), (65, 160))
+
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not INTERPRETED:
+        pytest.skip("runs in the child pytest (TRITON_INTERPRET=1)")
+    from exporter.llm.quant import kernels
+
+    return kernels
+
+
+def test_kernels_under_the_triton_interpreter():
+    if INTERPRETED:
+        pytest.skip("this is the child run")
+    root = Path(__file__).resolve().parents[1]
+    environment = {**os.environ, "TRITON_INTERPRET": "1",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
+                           cwd=root, env=environment, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    assert " passed" in child.stdout and "failed" not in child.stdout
+
+
+def _stored(method: str, n: int, k: int, dtype: torch.dtype, seed: int):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=generator) / k**0.5
+    layout = QuantLayout.of(QuantConfig(method), n, k)
+    channel_scale = torch.rand(k, generator=generator) * 4 + 0.25 if method == "int4_awq" else None
+    stored = quantize(weight.to(dtype), layout, channel_scale)
+    return layout, stored
+
+
+def _reference(x: torch.Tensor, layout: QuantLayout, stored: dict, bias: torch.Tensor | None) -> torch.Tensor:
+    """float32 dequantize-then-matmul, AWQ's input scale applied to x."""
+    weight = dequantize(layout, stored["weight"], stored["weight_scale"], stored.get("weight_zero"))
+    if "input_scale" in stored:
+        x = x.float() * stored["input_scale"].float()
+    return torch.nn.functional.linear(x.float(), weight, None if bias is None else bias.float())
+
+
+def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((ours.float() - reference).norm() / reference.norm()).item()
+
+
+def _tensors(stored: dict) -> tuple:
+    return stored["weight"], stored["weight_scale"], stored.get("weight_zero"), stored.get("input_scale")
+
+
+@pytest.mark.parametrize("method", QUANT_METHODS)
+@pytest.mark.parametrize("shape", LLAVA_SCALED + UNALIGNED, ids=lambda s: f"{s[0]}x{s[1]}")
+def test_decode_kernel_equals_dequantize_then_matmul(kernels, method, shape):
+    """1..8 rows (FMA accumulation), bfloat16 activations, bias on the unaligned shapes."""
+    n, k = shape
+    layout, stored = _stored(method, n, k, torch.bfloat16, seed=n + k)
+    bias = torch.randn(n, dtype=torch.bfloat16) if shape in UNALIGNED else None
+    for rows, block_k in ((1, 128), (3, 64), (8, 256)):
+        x = torch.randn(rows, k, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(rows))
+        out = kernels.fused_linear(x, layout, *_tensors(stored), bias, config={"BLOCK_N": 64, "BLOCK_K": block_k})
+        assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+        error = _relative_error(out, _reference(x, layout, stored, bias))
+        assert error < 1e-2, f"{rows} rows: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("method", QUANT_METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tensor_core_kernel_equals_dequantize_then_matmul(kernels, method, dtype):
+    """More than 8 rows (tl.dot tiles). The interpreter's tl.dot mishandles bfloat16 (numpy has none), so it is
+    checked here in float32 and float16; tests/test_quant_gpu.py checks bfloat16 on the GPU."""
+    for n, k in ((256, 688), (37, 100)):
+        layout, stored = _stored(method, n, k, dtype, seed=k)
+        bias = torch.randn(n, dtype=dtype)
+        for rows in (9, 40):
+            x = torch.randn(rows, k, dtype=dtype, generator=torch.Generator().manual_seed(rows))
+            config = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}
+            out = kernels.fused_linear(x, layout, *_tensors(stored), bias, config=config)
+            error = _relative_error(out, _reference(x, layout, stored, bias))
+            assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"{n}x{k}, {rows} rows: {error:.2e}"
+
+
+@pytest.mark.parametrize("method", QUANT_METHODS)
+def test_device_dequantize_equals_the_reference(kernels, method):
+    """Exact in float32; in bfloat16 within one rounding (the interpreter truncates where the GPU rounds)."""
+    for n, k in ((256, 688), (33, 90)):
+        layout, stored = _stored(method, n, k, torch.bfloat16, seed=3)
+        weight, scale, zero, _ = _tensors(stored)
+        for dtype, tolerance in ((torch.float32, 0.0), (torch.bfloat16, 2.0**-7)):
+            ours = kernels.dequantize_on_device(layout, weight, scale, zero, dtype)
+            reference = dequantize(layout, weight, scale, zero, dtype)
+            torch.testing.assert_close(ours, reference, rtol=tolerance, atol=0)
+
+
+def test_every_tile_shape_of_the_search_space_computes_the_same(kernels):
+    """The autotuner may pick any configuration its pruning keeps: each one must be right (int4, where tiles meet
+    groups and reach past the last one)."""
+    layout, stored = _stored("int4_awq", 65, 160, torch.float16, seed=5)
+    x = torch.randn(2, 160, dtype=torch.float16, generator=torch.Generator().manual_seed(2))
+    reference = _reference(x, layout, stored, None)
+    candidates = kernels._fits_registers(kernels._tuned_mv_kernel.configs, {}, BLOCK_M=2, G=layout.group, INT4=True)
+    assert len(candidates) > 5
+    for config in candidates:
+        out = kernels.fused_linear(x, layout, *_tensors(stored), None, config=dict(config.kwargs))
+        assert _relative_error(out, reference) < 1e-2, config
+    x = torch.randn(20, 160, dtype=torch.float32, generator=torch.Generator().manual_seed(3))
+    layout, stored = _stored("int4_wo", 65, 160, torch.float32, seed=6)
+    reference = _reference(x, layout, stored, None)
+    for config in kernels._tuned_mm_kernel.configs:
+        out = kernels.fused_linear(x, layout, *_tensors(stored), None, config=dict(config.kwargs))
+        assert _relative_error(out, reference) < 1e-5, config
