@@ -139,3 +139,26 @@ def demo_script_server(folder: Path, *flags: str) -> Iterator[ScriptServer]:
         yield server
     finally:
         stop_server(process, 120)
+
+
+@contextmanager
+def demo_deployed(engine_dir: Path, max_batch_size: int, max_output_len: int,
+                  streaming: bool = False) -> Iterator[tuple[str, str, object]]:
+    """The demo Neva exported into `engine_dir` (float32, CPU, max_input_len 200) and served in this process by
+    `DeployPyTriton` on free loopback ports: (HTTP URL, gRPC URL, the deployer), stopped on exit."""
+    from deploy import DeployPyTriton
+    from exporter import TensorRTMMExporter
+
+    exporter = TensorRTMMExporter(engine_dir, device="cpu")
+    exporter.export(REPO / "demo" / "neva_demo.nemo", model_type="neva", dtype="float32",
+                    max_batch_size=max_batch_size, max_input_len=200, max_output_len=max_output_len,
+                    max_multimodal_len=max_batch_size * 64)
+    http_port, grpc_port = free_port(), free_port()
+    deployer = DeployPyTriton(exporter, "demo", max_batch_size=max_batch_size, http_port=http_port,
+                              grpc_port=grpc_port, address="127.0.0.1", streaming=streaming)
+    deployer.deploy()
+    try:
+        deployer.run()
+        yield f"127.0.0.1:{http_port}", f"grpc://127.0.0.1:{grpc_port}", deployer
+    finally:
+        deployer.stop()

@@ -11,11 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import load_demo_builder
-from deploy import DeployPyTriton
-from deploy.startup import free_port
-from exporter import TensorRTMMExporter
 from query import NemoQueryMultimodal
-from test_serve_demo import DEMO_NEMO, MODEL, REPO, SHAPE_Q
+from serving_support import demo_deployed
+from test_serve_demo import MODEL, REPO, SHAPE_Q
 
 LONG_OUTPUT = 1500  # the demo model repeats its word this often with a repetition "penalty" far below 1
 REPEAT = {"repetition_penalty": 0.001}
@@ -24,18 +22,9 @@ TIMED = 7  # short requests timed alone, then as many during the long one (media
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    exporter = TensorRTMMExporter(tmp_path_factory.mktemp("engine"), device="cpu")
-    exporter.export(DEMO_NEMO, model_type="neva", dtype="float32", max_batch_size=4, max_input_len=200,
-                    max_output_len=LONG_OUTPUT, max_multimodal_len=4 * 64)
-    http_port, grpc_port = free_port(), free_port()
-    deployer = DeployPyTriton(exporter, MODEL, max_batch_size=4, http_port=http_port, grpc_port=grpc_port,
-                              address="127.0.0.1")
-    deployer.deploy()
-    try:
-        deployer.run()
-        yield {"http": f"127.0.0.1:{http_port}", "grpc": f"grpc://127.0.0.1:{grpc_port}"}
-    finally:
-        deployer.stop()
+    with demo_deployed(tmp_path_factory.mktemp("engine"), max_batch_size=4, max_output_len=LONG_OUTPUT) as \
+            (http, grpc, _):
+        yield {"http": http, "grpc": grpc}
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

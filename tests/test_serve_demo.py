@@ -15,11 +15,9 @@ from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
 from conftest import load_demo_builder, stop_server
-from deploy import DeployPyTriton
 from deploy.startup import free_port
-from exporter import TensorRTMMExporter
 from query import NemoQueryMultimodal, QueryError
-from serving_support import assert_short_error, http_infer, json_tensor, poll_ready
+from serving_support import assert_short_error, demo_deployed, http_infer, json_tensor, poll_ready
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
@@ -29,18 +27,8 @@ SHAPE_Q, COLOR_Q = "What shape is this?", "What color is the shape?"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    exporter = TensorRTMMExporter(tmp_path_factory.mktemp("engine"), device="cpu")
-    exporter.export(DEMO_NEMO, model_type="neva", dtype="float32", max_batch_size=8, max_input_len=200,
-                    max_output_len=16, max_multimodal_len=8 * 64)
-    http_port, grpc_port = free_port(), free_port()
-    deployer = DeployPyTriton(exporter, MODEL, max_batch_size=8, http_port=http_port, grpc_port=grpc_port,
-                              address="127.0.0.1")
-    deployer.deploy()
-    try:
-        deployer.run()
-        yield f"127.0.0.1:{http_port}", f"grpc://127.0.0.1:{grpc_port}", deployer
-    finally:
-        deployer.stop()
+    with demo_deployed(tmp_path_factory.mktemp("engine"), max_batch_size=8, max_output_len=16) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,8 @@ from pytriton.client.exceptions import PyTritonClientInferenceServerError
 from conftest import load_demo_builder, stop_server, wait_until_ready
 from deploy import DeployPyTriton
 from deploy.startup import free_port
-from exporter import TensorRTMMExporter
 from query import NemoQueryMultimodal, QueryError
-from serving_support import assert_short_error
+from serving_support import assert_short_error, demo_deployed
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
@@ -39,18 +38,9 @@ PROTOCOLS = ("http", "grpc")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    exporter = TensorRTMMExporter(tmp_path_factory.mktemp("engine"), device="cpu")
-    exporter.export(DEMO_NEMO, model_type="neva", dtype="float32", max_batch_size=4, max_input_len=200,
-                    max_output_len=MAX_OUTPUT_LEN, max_multimodal_len=4 * 64)
-    http_port, grpc_port = free_port(), free_port()
-    deployer = DeployPyTriton(exporter, MODEL, max_batch_size=4, http_port=http_port, grpc_port=grpc_port,
-                              address="127.0.0.1", streaming=True)
-    deployer.deploy()
-    try:
-        deployer.run()
-        yield {"http": f"127.0.0.1:{http_port}", "grpc": f"grpc://127.0.0.1:{grpc_port}", "deployer": deployer}
-    finally:
-        deployer.stop()
+    with demo_deployed(tmp_path_factory.mktemp("engine"), max_batch_size=4, max_output_len=MAX_OUTPUT_LEN,
+                       streaming=True) as (http, grpc, deployer):
+        yield {"http": http, "grpc": grpc, "deployer": deployer}
 
 
 @pytest.fixture(scope="module")
