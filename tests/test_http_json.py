@@ -1,0 +1,108 @@
+"""wire.http_json: Triton's HTTP JSON bodies to and from the wire tensors, checked against the wire's own row
+splitting (what the engine decodes) and against refusals that name the input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from wire import WireError, param_tensors, split_request
+from wire.http_json import (
+    datatype_of,
+    generate_request_from_json,
+    infer_request_from_json,
+    infer_request_to_json,
+    outputs_from_json,
+    outputs_to_json,
+)
+
+DATATYPES = {"input_text": "BYTES", "input_media": "UINT8", "input_media_bytes": "BYTES", "max_output_len": "INT64",
+             "top_p": "FP32", "temperature": "FP32", "lora_uids": "BYTES"}
+PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe"  # not UTF-8: must travel as a data: URL
+
+
+def test_a_client_request_reaches_the_server_as_the_same_rows():
+    params = param_tensors({"max_output_len": 7, "top_p": 0.5, "temperature": 0.25})
+    request = {"input_text": np.array([["What is this? é".encode()], [b"and this"]], dtype=object),
+               "input_media_bytes": np.array([[PNG], [PNG + b"2"]], dtype=object),
+               **{name: np.stack([value, value]) for name, value in params.items()}}
+    decoded = infer_request_from_json(infer_request_to_json(request), DATATYPES)
+    rows = split_request(decoded)
+    assert [row.text for row in rows] == ["What is this? é", "and this"]
+    assert [row.media_bytes for row in rows] == [(PNG,), (PNG + b"2",)]
+    assert rows[0].sampling == {"max_output_len": 7, "top_p": 0.5, "temperature": 0.25}
+    assert decoded["max_output_len"].dtype == np.int64 and decoded["top_p"].dtype == np.float32
+
+
+def test_raw_pixels_keep_their_shape_and_values():
+    pixels = np.arange(2 * 3 * 4 * 3, dtype=np.uint8).reshape(1, 2, 3, 4, 3)
+    body = infer_request_to_json({"input_text": np.array([[b"x"]], dtype=object), "input_media": pixels})
+    decoded = infer_request_from_json(body, DATATYPES)
+    np.testing.assert_array_equal(decoded["input_media"], pixels)
+    assert decoded["input_media"].dtype == np.uint8
+
+
+def test_nested_data_lists_are_read_row_major():
+    body = {"inputs": [{"name": "input_media", "shape": [1, 1, 1, 2, 3], "datatype": "UINT8",
+                        "data": [[[[[1, 2, 3], [4, 5, 6]]]]]}]}
+    assert infer_request_from_json(body, DATATYPES)["input_media"].reshape(-1).tolist() == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ([], '"inputs" list'),
+    ({"inputs": [{"shape": [1], "datatype": "BYTES", "data": ["x"]}]}, 'a "name"'),
+    ({"inputs": [{"name": "input_txt", "shape": [1, 1], "datatype": "BYTES", "data": ["x"]}]}, "unknown input"),
+    ({"inputs": [{"name": "input_text", "shape": [1, 1], "datatype": "FP32", "data": [1.0]}]}, "takes BYTES"),
+    ({"inputs": [{"name": "input_text", "shape": [2, 1], "datatype": "BYTES", "data": ["x"]}]}, "1 data values"),
+    ({"inputs": [{"name": "input_text", "shape": [1, -1], "datatype": "BYTES", "data": ["x"]}]}, "non-negative"),
+    ({"inputs": [{"name": "input_text", "shape": [1, 1], "datatype": "BYTES", "data": [3]}]}, "as strings"),
+    ({"inputs": [{"name": "input_media", "shape": [1, 1, 1, 1, 3], "datatype": "UINT8", "data": [0, 256, 1]}]},
+     "outside 0..255"),
+    ({"inputs": [{"name": "max_output_len", "shape": [1, 1], "datatype": "INT64", "data": [2.5]}]}, "integers"),
+    ({"inputs": [{"name": "top_p", "shape": [1, 1], "datatype": "FP32", "data": ["0.5"]}]}, "numbers"),
+    ({"inputs": [{"name": "top_p", "shape": [1, 1], "datatype": "FP32", "data": [0.5]}] * 2}, "given twice"),
+])
+def test_malformed_infer_bodies_are_refused_naming_the_problem(body, expected):
+    with pytest.raises(WireError, match=expected):
+        infer_request_from_json(body, DATATYPES)
+
+
+def test_a_generate_body_is_one_row():
+    request = generate_request_from_json({"input_text": "Describe it.", "input_media_bytes": ["data:a;base64,AA=="],
+                                          "max_output_len": 5, "top_p": 0.5})
+    assert {name: value.shape for name, value in request.items()} == {
+        "input_text": (1, 1), "input_media_bytes": (1, 1), "max_output_len": (1, 1), "top_p": (1, 1)}
+    (row,) = split_request(request)
+    assert row.text == "Describe it." and row.media_bytes == (b"\x00",)
+    assert row.sampling == {"max_output_len": 5, "top_p": 0.5}
+
+
+@pytest.mark.parametrize(("body", "expected"), [
+    ("text", "JSON object"),
+    ({"input_text": ["a", "b"]}, "takes a string"),
+    ({"input_text": "x", "input_media": [[1, 2, 3]]}, "cannot be sent in a generate body"),
+    ({"input_text": "x", "max_output_len": "5"}, "integers"),
+    ({"input_text": "x", "max_output_len": True}, "integers"),
+    ({"input_text": "x", "seed": 3}, "unknown input 'seed'"),
+])
+def test_malformed_generate_bodies_are_refused(body, expected):
+    with pytest.raises(WireError, match=expected):
+        generate_request_from_json(body)
+
+
+def test_answers_round_trip():
+    outputs = {"outputs": np.array([[a.encode() for a in row] for row in [["un", "deux"], ["trois é", "quatre"]]],
+                                   dtype=np.bytes_)}
+    body = outputs_to_json("demo", outputs)
+    assert body["outputs"][0]["shape"] == [2, 2]
+    back = outputs_from_json(body)
+    assert [[item.decode() for item in row] for row in back] == [["un", "deux"], ["trois é", "quatre"]]
+    with pytest.raises(WireError, match="no \"outputs\""):
+        outputs_from_json({"outputs": []})
+
+
+def test_datatypes():
+    assert [datatype_of(d) for d in (object, np.bytes_, np.uint8, np.int64, np.int32, np.float32)] == [
+        "BYTES", "BYTES", "UINT8", "INT64", "INT32", "FP32"]
+    with pytest.raises(ValueError, match="no Triton datatype"):
+        datatype_of(np.complex64)

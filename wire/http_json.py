@@ -1,0 +1,180 @@
+"""Triton's HTTP JSON bodies for the wire tensors, for a server and a client that speak them without Triton (the
+Ray Serve front and `NemoQueryMultimodal(backend="ray")`).
+
+- `infer` (KServe v2): `{"inputs": [{"name", "shape", "datatype", "data"}]}`, `data` flattened row-major; `BYTES`
+  items are strings: UTF-8 text, or a media file as a base64 `data:` URL (`wire.request` decodes those).
+- its answer: `{"model_name", "outputs": [{"name": "outputs", "shape": [rows, beams], "datatype": "BYTES", "data"}]}`.
+- generate (Triton's generate extension, one prompt): `{"input_text": "...", "input_media_bytes": "data:..." or a
+  list of them, "max_output_len": 30, ...}`.
+
+Every malformed body is a `WireError` naming the input. numpy only.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from wire.params import LORA_UIDS, PARAMS
+from wire.request import InferRequest, WireError
+
+DATATYPES: dict[str, Any] = {"BYTES": np.object_, "UINT8": np.uint8, "INT32": np.int32, "INT64": np.int64,
+                             "FP32": np.float32, "FP64": np.float64}
+"""Triton's datatype names for the dtypes the wire tensors use."""
+
+_MEDIA_BYTES = "input_media_bytes"
+_TEXT_INPUTS = ("input_text", _MEDIA_BYTES, LORA_UIDS)  # what a generate body may carry besides the parameters
+
+
+def datatype_of(dtype: Any) -> str:
+    """Triton's datatype name for a numpy dtype (bytes and object arrays are `BYTES`)."""
+    kind = np.dtype(dtype)
+    if kind == np.object_ or kind.kind in "SU":
+        return "BYTES"
+    for name, known in DATATYPES.items():
+        if known is not np.object_ and kind == np.dtype(known):
+            return name
+    raise ValueError(f"dtype {kind} has no Triton datatype here; use one of {', '.join(DATATYPES)}")
+
+
+# --- server side ----------------------------------------------------------------------------------------------------
+
+def infer_request_from_json(body: object, datatypes: Mapping[str, str]) -> InferRequest:
+    """The tensors of an `infer` body; `datatypes` maps each input the model takes to its datatype."""
+    if not isinstance(body, dict) or not isinstance(body.get("inputs"), list):
+        raise WireError('the body must be a JSON object with an "inputs" list of {"name", "shape", "datatype", '
+                        '"data"} objects')
+    request: InferRequest = {}
+    for index, spec in enumerate(body["inputs"]):
+        name = spec.get("name") if isinstance(spec, dict) else None
+        if not isinstance(name, str):
+            raise WireError(f'inputs[{index}] must be an object with a "name"')
+        if name in request:
+            raise WireError(f"input {name} is given twice")
+        if name not in datatypes:
+            raise WireError(f"unknown input {name!r}; this model takes {', '.join(datatypes)}")
+        request[name] = _tensor(name, spec, datatypes[name])
+    return request
+
+
+def _tensor(name: str, spec: dict, expected: str) -> np.ndarray:
+    shape, datatype, data = spec.get("shape"), spec.get("datatype"), spec.get("data")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise WireError(f"input {name} needs a shape: a list of non-negative integers")
+    if datatype != expected:
+        raise WireError(f"input {name} has datatype {datatype!r}; this model takes {expected}")
+    flat = _flatten(data, name)
+    if len(flat) != math.prod(shape):
+        raise WireError(f"input {name} has shape {shape} ({math.prod(shape)} values) but {len(flat)} data values")
+    if datatype == "BYTES":
+        if not all(isinstance(item, str) for item in flat):
+            raise WireError(f"input {name} is BYTES: send its items as strings")
+        array = np.empty(len(flat), dtype=object)
+        array[:] = [item.encode("utf-8") for item in flat]
+        return array.reshape(shape)
+    return _numbers(name, flat, DATATYPES[datatype]).reshape(shape)
+
+
+def _flatten(data: object, name: str) -> list:
+    if not isinstance(data, list):
+        raise WireError(f"input {name} needs its values as a \"data\" list")
+    flat: list = []
+    stack = [iter(data)]
+    while stack:
+        item = next(stack[-1], _END)
+        if item is _END:
+            stack.pop()
+        elif isinstance(item, list):
+            stack.append(iter(item))
+        else:
+            flat.append(item)
+    return flat
+
+
+_END = object()
+
+
+def _numbers(name: str, values: list, dtype: Any) -> np.ndarray:
+    integral = np.issubdtype(dtype, np.integer)
+    allowed = (int,) if integral else (int, float)
+    if not all(isinstance(v, allowed) and not isinstance(v, bool) for v in values):
+        raise WireError(f"input {name} takes {'integers' if integral else 'numbers'}")
+    if integral:
+        info = np.iinfo(dtype)
+        if values and not info.min <= min(values) <= max(values) <= info.max:
+            raise WireError(f"input {name} holds values outside {info.min}..{info.max}")
+    return np.array(values, dtype=dtype)
+
+
+def generate_request_from_json(body: object) -> InferRequest:
+    """The one-row tensors of a generate body: text inputs as strings (media as `data:` URLs), parameters as
+    numbers; raw arrays (pixels, waveforms) do not fit it."""
+    if not isinstance(body, dict):
+        raise WireError("the body must be a JSON object mapping input names to values")
+    params = {param.name: param.dtype for param in PARAMS}
+    request: InferRequest = {}
+    for name, value in body.items():
+        if name in params:
+            if isinstance(value, list) and len(value) == 1:
+                value = value[0]
+            request[name] = _numbers(name, [value], params[name]).reshape(1, 1)
+        elif name in _TEXT_INPUTS:
+            items = value if isinstance(value, list) and name != "input_text" else [value]
+            if not items or not all(isinstance(item, str) for item in items):
+                raise WireError(f"{name} takes a string" + (" or a list of strings" if name != "input_text" else ""))
+            array = np.empty((1, len(items)), dtype=object)
+            array[0, :] = [item.encode("utf-8") for item in items]
+            request[name] = array
+        elif name.startswith("input_"):
+            raise WireError(f"{name} cannot be sent in a generate body; send media as files in {_MEDIA_BYTES} "
+                            "(base64 data: URLs)")
+        else:
+            raise WireError(f"unknown input {name!r}; a generate body takes {', '.join(_TEXT_INPUTS)} and "
+                            f"{', '.join(params)}")
+    return request
+
+
+def outputs_to_json(model_name: str, outputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """The `infer` answer for an engine's `outputs` tensor (UTF-8 answers, `[rows, beams]`)."""
+    array = np.asarray(outputs["outputs"])
+    data = [bytes(item).decode("utf-8", errors="replace") for item in array.reshape(-1)]
+    return {"model_name": model_name, "model_version": "1",
+            "outputs": [{"name": "outputs", "shape": list(array.shape), "datatype": "BYTES", "data": data}]}
+
+
+# --- client side ----------------------------------------------------------------------------------------------------
+
+def infer_request_to_json(request: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    """An `infer` body for the tensors of a request (batch axis first); media files go as base64 `data:` URLs."""
+    inputs = []
+    for name, value in request.items():
+        array = np.asarray(value)
+        datatype = datatype_of(array.dtype)
+        data = array.reshape(-1).tolist()
+        if datatype == "BYTES":
+            data = [_json_string(name, item) for item in data]
+        inputs.append({"name": name, "shape": list(array.shape), "datatype": datatype, "data": data})
+    return {"inputs": inputs}
+
+
+def _json_string(name: str, item: object) -> str:
+    raw = item if isinstance(item, bytes) else str(item).encode("utf-8")
+    if name == _MEDIA_BYTES:
+        return "data:application/octet-stream;base64," + base64.b64encode(raw).decode("ascii")
+    return raw.decode("utf-8")
+
+
+def outputs_from_json(body: object) -> np.ndarray:
+    """The `outputs` tensor (bytes, `[rows, beams]`) of an `infer` answer."""
+    outputs = body.get("outputs") if isinstance(body, dict) else None
+    for output in outputs if isinstance(outputs, list) else ():
+        if isinstance(output, dict) and output.get("name") == "outputs":
+            data = output.get("data") or []
+            array = np.array([str(item).encode("utf-8") for item in data], dtype=object)
+            return array.reshape(output.get("shape") or [len(data)])
+    raise WireError('the answer holds no "outputs" tensor')
