@@ -11,7 +11,7 @@ import threading
 import urllib.error
 import urllib.request
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 from PIL import Image
@@ -25,10 +25,12 @@ from pytriton.client.utils import TritonUrl
 from pytriton.client.warnings import NotSupportedTimeoutWarning
 from tritonclient.utils import InferenceServerException
 
+from query import http_json
 from query import media as media_io
 from wire import MODEL_TYPE_MODALITY, VIDEO_MODEL_TYPES, decode_answer, param_tensors, stream_model_name
 
 DEFAULT_INFERENCE_TIMEOUT_S = 300.0
+BACKENDS = ("triton", "ray")
 
 # PyTriton warns on each client that gRPC ignores timeouts outside inference; those that matter still apply.
 warnings.filterwarnings("ignore", category=NotSupportedTimeoutWarning)
@@ -84,6 +86,9 @@ class NemoQueryMultimodal:
     Images go on the wire encoded (`input_media_bytes`); `raw_pixels=True` sends decoded pixels as
     `input_media` (video frames; the waveform for salm) as NeMo's client did. One Triton client is opened on
     the first query and kept; use one object per thread for concurrent queries.
+
+    `backend="ray"` queries a Ray Serve deployment (`scripts/deploy_ray.py`, `url` such as `http://host:1024`)
+    through its Triton-shaped HTTP JSON routes instead of Triton's protocol; streaming works as over Triton's HTTP.
     """
 
     def __init__(
@@ -95,7 +100,10 @@ class NemoQueryMultimodal:
         raw_pixels: bool = False,
         media_timeout_s: float = media_io.DEFAULT_TIMEOUT_S,
         media_max_bytes: int = media_io.DEFAULT_MAX_BYTES,
+        backend: str = "triton",
     ):
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         if model_type not in MODEL_TYPE_MODALITY:
             raise ValueError(
                 f"unknown model_type {model_type!r}; choose one of {', '.join(MODEL_TYPE_MODALITY)}"
@@ -104,6 +112,7 @@ class NemoQueryMultimodal:
         self.model_name = model_name
         self.model_type = model_type
         self.raw_pixels = raw_pixels
+        self.backend = backend
         self._read_options = {"timeout_s": media_timeout_s, "max_bytes": media_max_bytes}
         self._client = None
         self._client_timeouts: tuple[float, float] | None = None
@@ -151,10 +160,10 @@ class NemoQueryMultimodal:
             for text, media_row in zip(texts, media_rows, strict=True)
         ]
         with self._lock:
-            client = self._open_client(init_timeout, inference_timeout)
+            infer, max_rows = self._transport(init_timeout, inference_timeout)
             answers: list[np.ndarray | None] = [None] * len(rows)
-            for indices in _request_groups(rows, max(1, self._max_rows(client))):
-                outputs = self._infer(client, _stack([rows[i] for i in indices]), inference_timeout)
+            for indices in _request_groups(rows, max(1, max_rows)):
+                outputs = infer(_stack([rows[i] for i in indices]))
                 for index, output in zip(indices, outputs, strict=True):
                     answers[index] = output
         return np.array([[decode_answer(answer) for answer in row] for row in answers])
@@ -187,8 +196,10 @@ class NemoQueryMultimodal:
         })
         row = {"input_text": np.array([input_text.encode("utf-8")], dtype=np.bytes_)}
         row.update(self._media_inputs(input_media), **params)
-        url = TritonUrl.from_url(self.url)
         model_name = stream_model_name(self.model_name)
+        if self.backend == "ray":
+            return _http_stream(http_json.http_base(self.url), model_name, _generate_json(row), inference_timeout)
+        url = TritonUrl.from_url(self.url)
         if url.scheme == "grpc":
             return _grpc_stream(url.with_scheme, model_name, row, init_timeout, inference_timeout)
         return _http_stream(url.with_scheme, model_name, _generate_json(row), inference_timeout)
@@ -229,6 +240,16 @@ class NemoQueryMultimodal:
             return media_io.read_media_bytes(media, **self._read_options)
         return media_io.image_bytes(media, **self._read_options)
 
+    def _transport(self, init_timeout: float, inference_timeout: float) -> tuple[Callable, int]:
+        """(a function answering one request's stacked tensors with its `outputs`, the most rows a request holds)."""
+        if self.backend == "ray":
+            base = http_json.http_base(self.url)
+            max_rows = _json_call(http_json.max_rows, base, self.model_name, init_timeout)
+            return (lambda inputs: _json_call(http_json.infer, base, self.model_name, inputs, inference_timeout),
+                    max_rows)
+        client = self._open_client(init_timeout, inference_timeout)
+        return (lambda inputs: self._infer(client, inputs, inference_timeout)), self._max_rows(client)
+
     def _open_client(self, init_timeout: float, inference_timeout: float) -> ModelClient:
         if self._client is not None and self._client_timeouts != (init_timeout, inference_timeout):
             self._close_client()
@@ -262,6 +283,16 @@ class NemoQueryMultimodal:
             if not isinstance(error, PyTritonClientInferenceServerError):
                 self._close_client()
             raise _query_error(error, inference_timeout) from None
+
+
+def _json_call(function: Callable, *args):
+    """`function(*args)` of `query.http_json`, its failure as a QueryError."""
+    try:
+        return function(*args)
+    except http_json.JsonRequestError as error:
+        if error.status is None:
+            raise QueryError(f"the query failed: {error.message}", error.message) from None
+        raise QueryError(f"the server failed the request: {error.message}", error.message, str(error.status)) from None
 
 
 def _query_error(error: PyTritonClientError, inference_timeout: float) -> QueryError:
