@@ -239,8 +239,9 @@ def _validate(settings: dict) -> None:
         settings["triton_model_repository"] = str(Path(tempfile.gettempdir()) / "trt_model_dir")
 
 
-def build_deployable(settings: argparse.Namespace):
-    """The exporter loaded from the repository, or after exporting the checkpoint into it."""
+def build_deployable(settings: argparse.Namespace, load: bool = True):
+    """The exporter loaded from the repository, or after exporting the checkpoint into it (`load=False`: nothing
+    is loaded, the checkpoint is only exported)."""
     exporting = settings.visual_checkpoint is not None
     repository = Path(settings.triton_model_repository)
     if not exporting:
@@ -253,13 +254,13 @@ def build_deployable(settings: argparse.Namespace):
     step = "loading the model repository"
     try:
         exporter = TensorRTMMExporter(
-            model_dir=str(repository), load_model=not exporting, modality=settings.modality,
+            model_dir=str(repository), load_model=load and not exporting, modality=settings.modality,
             media_policy=media_policy(settings), verify_engine=settings.verify_engine, **extra
         )
         if exporting:
             step = "the export"
             LOGGER.info("exporting %s into %s", settings.visual_checkpoint, repository)
-            exporter.export(**_export_arguments(settings))
+            exporter.export(**_export_arguments(settings), load_model=load)
     except (OSError, ValueError, RuntimeError, _checkpoint_error()) as error:
         raise DeployError(f"{step} failed: {type(error).__name__}: {error}") from error
     return exporter

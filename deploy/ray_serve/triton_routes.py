@@ -1,0 +1,115 @@
+"""Triton's HTTP routes for NeMo's clients, answered by the engine replicas, so that `NemoQueryMultimodal(url, ...,
+backend="ray")`, `query.py`-style JSON clients and curl reach a Ray deployment as they reach Triton:
+
+- `POST /v2/models/<name>/infer`: Triton's JSON body with NeMo's tensors (`wire.http_json`); the answer's `outputs`
+  hold one answer per beam for each prompt.
+- `POST /v2/models/<name>/generate_stream` (also under `<name>_stream`): Triton's generate extension, one prompt,
+  answered as server-sent events `data: {"model_name", "model_version", "outputs": "<piece>"}`.
+- `GET /v2/models/<name>` and `/v2/models/<name>/config`: the name, the inputs, `max_batch_size`.
+
+A failure answers `{"error": "<one line>"}` with Triton's statuses: 400 bad input, 404 an unknown model, 500 a
+fault of the model, 503 a replica that died under the request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from deploy.openai.app import relay
+from deploy.ray_serve.remote import RemoteEngine
+from deploy.ray_serve.transport import Failure
+from deploy.triton_errors import BAD_REQUEST, one_line
+from wire import WireError, multimodal_triton_inputs, stream_model_name
+from wire.http_json import (
+    datatype_of,
+    generate_request_from_json,
+    infer_request_from_json,
+    outputs_to_json,
+)
+
+NOT_FOUND = 404
+
+
+def triton_error(status: int, message: str) -> JSONResponse:
+    """Triton's error answer: one line under `error`."""
+    return JSONResponse({"error": message}, status_code=status)
+
+
+def add_triton_routes(app: FastAPI, remote: RemoteEngine, model_name: str) -> None:
+    """Add Triton's model routes for `model_name` to `app`, answered by `remote`."""
+    inputs = multimodal_triton_inputs(remote.modality)
+    datatypes = {tensor.name: datatype_of(tensor.dtype) for tensor in inputs}
+    names = (model_name, stream_model_name(model_name))
+
+    def unknown(name: str) -> JSONResponse:
+        return triton_error(NOT_FOUND, f"unknown model {name!r}; this server serves {model_name!r}")
+
+    @app.get("/v2/models/{name}")
+    @app.get("/v2/models/{name}/config")
+    async def model_config(name: str) -> Any:
+        if name not in names:
+            return unknown(name)
+        return {"name": name, "versions": ["1"], "platform": "ray_serve",
+                "max_batch_size": remote.facts.limits.max_batch_size,
+                "inputs": [{"name": n, "datatype": d} for n, d in datatypes.items()],
+                "outputs": [{"name": "outputs", "datatype": "BYTES"}]}
+
+    @app.post("/v2/models/{name}/infer")
+    async def infer(name: str, request: Request) -> Response:
+        if name != model_name:
+            return unknown(name)
+        body = await request.body()
+        try:
+            tensors = await anyio.to_thread.run_sync(lambda: infer_request_from_json(_json(body), datatypes))
+        except WireError as error:
+            return triton_error(BAD_REQUEST, one_line(str(error)))
+        result = await anyio.to_thread.run_sync(remote.call, "infer", tensors)
+        if isinstance(result, Failure):
+            return triton_error(result.status, result.message)
+        return JSONResponse(outputs_to_json(name, result))
+
+    @app.post("/v2/models/{name}/generate_stream")
+    async def generate_stream(name: str, request: Request) -> Response:
+        if name not in names:
+            return unknown(name)
+        body = await request.body()
+        try:
+            tensors = await anyio.to_thread.run_sync(lambda: generate_request_from_json(_json(body)))
+        except WireError as error:
+            return triton_error(BAD_REQUEST, one_line(str(error)))
+        items = remote.items("infer_stream", tensors)
+        first = await anyio.to_thread.run_sync(next, items, None)  # an error before any text keeps its status
+        if isinstance(first, Failure):
+            items.close()
+            return triton_error(first.status, first.message)
+        events = _events(name, itertools.chain([] if first is None else [first], items), items)
+        return StreamingResponse(relay(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _json(body: bytes) -> object:
+    try:
+        return json.loads(body)
+    except ValueError as error:
+        raise WireError(f"the body is not valid JSON ({error}); send a JSON object") from None
+
+
+def _events(name: str, pieces: Iterator[str | Failure], source: Iterator[Any]) -> Iterator[str]:
+    """Server-sent events of a streamed answer; a failure after the first piece is an error event. Closing the
+    events closes `source` (the replica's stream is cancelled)."""
+    try:
+        for piece in pieces:
+            if isinstance(piece, Failure):
+                yield f"data: {json.dumps({'error': piece.message})}\n\n"
+                return
+            yield f"data: {json.dumps({'model_name': name, 'model_version': '1', 'outputs': piece})}\n\n"
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()
