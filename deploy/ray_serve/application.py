@@ -67,11 +67,9 @@ def build_application(model_dir: str, model_name: str, modality: str, scale: Sca
     engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(
         ray_actor_options=actor_options, max_ongoing_requests=ongoing, health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S, **replicas,
-    ).bind(str(model_dir), modality, device, media_policy, max(1, int(scale.num_cpus_per_replica)), verify_engine,
-           ongoing)
+    ).bind(str(model_dir), modality, device, media_policy, max(1, int(scale.num_cpus_per_replica)), verify_engine)
     front = serve.deployment(serve.ingress()(Front), name=FRONT_DEPLOYMENT).options(
-        num_replicas=scale.front_replicas, max_ongoing_requests=scale.front_max_ongoing_requests,
+        num_replicas=scale.front_replicas, max_ongoing_requests=scale.front_max_ongoing_requests,  # also its threads
         ray_actor_options={"num_cpus": 0},  # the front waits on the replicas: it takes no CPU from them
     )
-    return front.bind(engine, model_name, media_policy, max_request_bytes, scale.retries,
-                      scale.front_max_ongoing_requests)
+    return front.bind(engine, model_name, media_policy, max_request_bytes, scale.retries)

@@ -66,9 +66,8 @@ class Front:
     then serves `build_front_app` over the replicas of `engine` (a deployment handle)."""
 
     async def __init__(self, engine: Any, model_name: str, media_policy: MediaPolicy | None = None,
-                       max_request_bytes: int | None = None, retries: int = 1, threads: int = 256):
+                       max_request_bytes: int | None = None, retries: int = 1):
         facts = await engine.facts.remote()
-        anyio.to_thread.current_default_thread_limiter().total_tokens = threads  # each waiting request holds one
         self._app = build_front_app(RemoteEngine(engine, facts, retries), model_name, media_policy,
                                     max_request_bytes)
 

@@ -2,8 +2,8 @@
 scheduler on the replica's GPU or CPUs.
 
 The constructor loads the engine and runs a warm-up request, so Ray routes to a replica only once it has
-answered. The methods are coroutines that run the engine's blocking calls in worker threads (up to
-`max_ongoing_requests` at once), so the requests Ray sends a replica meet in its scheduler's decode steps.
+answered. The methods are coroutines that run the engine's blocking calls in worker threads (Ray Serve
+allows one per ongoing request), so the requests Ray sends a replica meet in its scheduler's decode steps.
 Failures come back as `Failure`s; the streams end with their `Completion` (OpenAI) or stop (Triton's routes).
 """
 
@@ -31,7 +31,7 @@ class EngineReplica:
     threads (the CPUs Ray gives the replica)."""
 
     def __init__(self, model_dir: str, modality: str, device: str, media_policy: MediaPolicy | None = None,
-                 num_threads: int | None = None, verify_engine: bool | None = None, max_ongoing_requests: int = 8):
+                 num_threads: int | None = None, verify_engine: bool | None = None):
         import torch
 
         from exporter import TensorRTMMExporter
@@ -44,7 +44,6 @@ class EngineReplica:
             raise DeployError(f"no exported model in {model_dir} on this node; export it there (or onto storage "
                               "every node mounts at that path)")
         self.exporter.triton_infer_fn(**self.exporter.triton_warmup_request())  # READY only once a request ran
-        self._threads = anyio.CapacityLimiter(max_ongoing_requests + 2)
         LOGGER.info("model replica ready: %s on %s, %d torch threads", model_dir, device, torch.get_num_threads())
 
     async def facts(self) -> ModelFacts:
@@ -57,7 +56,7 @@ class EngineReplica:
 
     async def generate(self, requests: list[PipelineRequest]) -> list[Completion | Failure]:
         """The OpenAI front's requests, answered together: a `Completion` or a `Failure` each."""
-        results = await anyio.to_thread.run_sync(self.exporter.generate, requests, limiter=self._threads)
+        results = await anyio.to_thread.run_sync(self.exporter.generate, requests)
         return [result if isinstance(result, Completion) else Failure.openai(result) for result in results]
 
     async def stream(self, request: PipelineRequest) -> AsyncIterator[str | Completion | Failure]:
@@ -68,8 +67,7 @@ class EngineReplica:
     async def infer(self, inputs: InferRequest) -> dict[str, np.ndarray] | Failure:
         """A Triton-shaped request (NeMo's tensors, batch axis first): its `outputs` tensor or a `Failure`."""
         try:
-            return await anyio.to_thread.run_sync(lambda: self.exporter.triton_infer_fn(**inputs),
-                                                  limiter=self._threads)
+            return await anyio.to_thread.run_sync(lambda: self.exporter.triton_infer_fn(**inputs))
         except Exception as error:  # noqa: BLE001 - the client's failure, answered
             return Failure.triton(error)
 
@@ -84,14 +82,14 @@ class EngineReplica:
         """The items of a blocking stream, each taken in a worker thread; its return value (if any) last, or its
         error as a `Failure`. A cancelled stream (the client went away) is closed, which frees its scheduler slot."""
         try:
-            items = await anyio.to_thread.run_sync(lambda: iter(start()), limiter=self._threads)
+            items = await anyio.to_thread.run_sync(lambda: iter(start()))
         except Exception as error:  # noqa: BLE001 - answered as the stream's only item
             yield failure(error)
             return
         try:
             while True:
                 try:  # not cancellable while the thread runs, so `items` is never closed while it is running
-                    done, value = await anyio.to_thread.run_sync(_step, items, limiter=self._threads)
+                    done, value = await anyio.to_thread.run_sync(_step, items)
                 except Exception as error:  # noqa: BLE001 - answered as the stream's last item
                     yield failure(error)
                     return
