@@ -9,9 +9,16 @@ streaming clients; latency is a whole request's. "scheduler" is the same closed 
 engine (`TensorRTMMExporter.generate` from as many threads), before the server starts. Prints a table and writes
 `$OUT/serve_bench.json`.
 
+`--target ray` serves with `scripts/deploy_ray.py` instead, once per `--ray_replicas` count (each replica
+`--ray_cpus_per_replica` CPUs), over the OpenAI API (`openai_plain`: whole answers; `openai`: streamed); output
+tok/s then counts the tokens the answers report (`usage`), and a last table gives each count's throughput over
+one replica's.
+
     python bench/serve_bench.py --demo                        # CPU, the bundled demo model: checks the script
     python bench/serve_bench.py --llava --engine_dir /tmp/llava_engine    # GPU: a LLaVA-1.5-7B-shaped engine
                                                               # with random bf16 weights (built once, reused)
+    python bench/serve_bench.py --small_llm --target ray --ray_replicas 1 2 --protocols openai_plain \\
+        --concurrency 32 --processes 1                       # CPU: Ray Serve's throughput, 1 and 2 replicas
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 MODEL = "bench"
 PROTOCOLS = ("triton_http", "grpc_stream", "openai")
+OPENAI_PLAIN = "openai_plain"  # the OpenAI API without streaming: one answer per request (no TTFT or TPOT)
 QUESTIONS = ("Describe this image.", "What is in this picture?", "What colors do you see?", "Is there a person?")
 
 
@@ -58,11 +66,33 @@ DEMO = Setting(max_batch_size=8, max_input_len=512, max_output_len=16, output_le
                filler_words=(0, 8, 32), image_sizes=(64, 96, 128))
 LLAVA = Setting(max_batch_size=32, max_input_len=1280, max_output_len=256, output_lens=(32, 64, 128, 256),
                 filler_words=(0, 64, 256), image_sizes=(336, 512, 640, 1024))
-LLAVA_SHAPE = {"vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                              image_size=336, patch_size=14),
-               "llm": dict(vocab_size=32064, hidden_size=4096, ffn_hidden_size=11008, num_layers=32,
-                           num_attention_heads=32)}
-TOKENIZER_WORDS = 32000
+SMALL_LLM = Setting(max_batch_size=8, max_input_len=512, max_output_len=128, output_lens=(64, 96, 128),
+                    filler_words=(0, 8, 32), image_sizes=(56, 96))
+
+
+@dataclass(frozen=True)
+class RandomNeva:
+    """A Neva of random weights: its CLIP tower's and Llama-style LLM's shapes, tokenizer words and dtype."""
+
+    name: str
+    vision: dict
+    llm: dict
+    words: int
+    dtype: str
+
+
+LLAVA_SHAPE = RandomNeva("LLaVA-1.5-7B shape, random bf16",
+                         vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
+                                     num_attention_heads=16, image_size=336, patch_size=14),
+                         llm=dict(vocab_size=32064, hidden_size=4096, ffn_hidden_size=11008, num_layers=32,
+                                  num_attention_heads=32),
+                         words=32000, dtype="bfloat16")
+SMALL_LLM_SHAPE = RandomNeva("random Neva, 384-wide 6-layer LLM, float32",
+                             vision=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                                         num_attention_heads=2, image_size=56, patch_size=14),
+                             llm=dict(vocab_size=2048, hidden_size=384, ffn_hidden_size=1024, num_layers=6,
+                                      num_attention_heads=6),
+                             words=2000, dtype="float32")
 
 
 @dataclass(frozen=True)
@@ -81,6 +111,7 @@ class Record:
     first: float | None = None
     last: float | None = None
     pieces: int | None = None
+    tokens: int | None = None
     error: str | None = None
 
 
@@ -122,10 +153,16 @@ def _send(protocol: str, urls: dict[str, str], request: BenchRequest) -> Record:
         if protocol == "triton_http":
             _local.client.query(request.text, request.image, max_output_len=request.max_output_len,
                                 init_timeout=600, inference_timeout=600)
+        elif protocol == OPENAI_PLAIN:
+            with urllib.request.urlopen(_openai_post(urls, request, stream=False), timeout=600) as response:
+                record.tokens = json.loads(response.read())["usage"]["completion_tokens"]
         else:
             pieces = _grpc_stream(urls, request) if protocol == "grpc_stream" else _openai_stream(urls, request)
             record.pieces = 0
-            for _ in pieces:
+            for piece in pieces:
+                if isinstance(piece, dict) and piece.get("usage"):  # the OpenAI stream's last chunk
+                    record.tokens = piece["usage"]["completion_tokens"]
+                    continue
                 now = time.monotonic()
                 record.first = record.first or now
                 record.last = now
@@ -144,22 +181,27 @@ def _grpc_stream(urls: dict[str, str], request: BenchRequest):
                                init_timeout=600, inference_timeout=600)
 
 
-def _openai_stream(urls: dict[str, str], request: BenchRequest):
+def _openai_post(urls: dict[str, str], request: BenchRequest, stream: bool) -> urllib.request.Request:
     import base64
 
     image = "data:image/jpeg;base64," + base64.b64encode(request.image).decode()
-    body = {"model": MODEL, "stream": True, "max_tokens": request.max_output_len, "messages": [{"role": "user",
+    body = {"model": MODEL, "stream": stream, "max_tokens": request.max_output_len, "messages": [{"role": "user",
             "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": request.text}]}]}
-    post = urllib.request.Request(urls["openai"] + "/chat/completions", data=json.dumps(body).encode(),
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return urllib.request.Request(urls["openai"] + "/chat/completions", data=json.dumps(body).encode(),
                                   headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(post, timeout=600) as response:
+
+
+def _openai_stream(urls: dict[str, str], request: BenchRequest):
+    with urllib.request.urlopen(_openai_post(urls, request, stream=True), timeout=600) as response:
         for line in response:
             if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
                 continue
             chunk = json.loads(line[len(b"data:"):])
             if "error" in chunk:
                 raise RuntimeError(chunk["error"].get("message"))
-            if any(choice["delta"].get("content") for choice in chunk["choices"]):
+            if chunk.get("usage") or any(choice["delta"].get("content") for choice in chunk["choices"]):
                 yield chunk
 
 
@@ -243,13 +285,13 @@ def run_phase(protocol: str, urls: dict[str, str], requests: list[BenchRequest],
     for client in clients:
         client.start()
     ready.wait(timeout=600)  # every client process has warmed up
-    tokens_before = _generated_tokens(urls)
+    tokens_before = _generated_tokens(urls) if "metrics" in urls else 0.0
     go.set()
     records = [Record(**fields) for _ in clients for fields in results.get()]
     for client in clients:
         client.join()
     time.sleep(0.2)  # the server records a request's tokens just after answering it
-    tokens = _generated_tokens(urls) - tokens_before
+    tokens = _generated_tokens(urls) - tokens_before if "metrics" in urls else sum(r.tokens or 0 for r in records)
     wall = max(r.end for r in records) - min(r.start for r in records)
     streamed = [r for r in records if r.error is None and r.first is not None]
     ttft = _quantiles([(r.first - r.start) * 1e3 for r in streamed])
@@ -321,9 +363,9 @@ def demo_engine(folder: Path, setting: Setting, device: str) -> Path:
     return folder
 
 
-def llava_engine(folder: Path, setting: Setting, words: list[str]) -> Path:
-    """A Neva `.nemo` of LLaVA-1.5-7B's shape (CLIP-L/336, mlp2x_gelu, Llama-2-7B) with random bf16 weights and a
-    SentencePiece word tokenizer of 32,000 pieces, exported into `folder` (kept: later runs reuse it)."""
+def random_engine(folder: Path, setting: Setting, words: list[str], shape: RandomNeva) -> Path:
+    """A Neva `.nemo` of `shape` (a CLIP tower, mlp2x_gelu, a Llama-style LLM) with random weights and a SentencePiece
+    word tokenizer of `shape.words` pieces, exported into `folder` (kept: later runs reuse it)."""
     import torch
 
     from exporter import TensorRTMMExporter
@@ -331,30 +373,32 @@ def llava_engine(folder: Path, setting: Setting, words: list[str]) -> Path:
 
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
         tokenizer = Path(tmp) / "tokenizer.model"
-        _train_word_tokenizer(tokenizer, words)
-        nemo = Path(tmp) / "llava_shape.nemo"
-        write_nemo(nemo, _llava_config(), _llava_weights(), layout="legacy",
+        _train_word_tokenizer(tokenizer, words, shape.words)
+        nemo = Path(tmp) / "random_neva.nemo"
+        write_nemo(nemo, _random_neva_config(shape), _random_neva_weights(shape), layout="legacy",
                    artifacts={"tokenizer.model": str(tokenizer)})
+        tokens_per_image = (shape.vision["image_size"] // shape.vision["patch_size"]) ** 2
         TensorRTMMExporter(folder, device="cuda" if torch.cuda.is_available() else "cpu").export(
-            nemo, model_type="neva", dtype="bfloat16", max_batch_size=setting.max_batch_size,
+            nemo, model_type="neva", dtype=shape.dtype, max_batch_size=setting.max_batch_size,
             max_input_len=setting.max_input_len, max_output_len=setting.max_output_len,
-            max_multimodal_len=setting.max_batch_size * 576, load_model=False)
+            max_multimodal_len=setting.max_batch_size * tokens_per_image, load_model=False)
     return folder
 
 
-def _train_word_tokenizer(path: Path, words: list[str]) -> None:
+def _train_word_tokenizer(path: Path, words: list[str], vocab_size: int) -> None:
     import sentencepiece as spm
 
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(" ".join(words[i:i + 20]) for i in range(0, len(words), 20)),
-                                   model_writer=model, vocab_size=TOKENIZER_WORDS, model_type="word", unk_id=0,
+                                   model_writer=model, vocab_size=vocab_size, model_type="word", unk_id=0,
                                    bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, num_threads=8)
     path.write_bytes(model.getvalue())
 
 
-def _llava_config() -> dict:
-    llm, vision = LLAVA_SHAPE["llm"], LLAVA_SHAPE["vision"]
-    return {"precision": "bf16", "num_layers": llm["num_layers"], "hidden_size": llm["hidden_size"],
+def _random_neva_config(shape: RandomNeva) -> dict:
+    llm, vision = shape.llm, shape.vision
+    return {"precision": "bf16" if shape.dtype == "bfloat16" else 32, "num_layers": llm["num_layers"],
+            "hidden_size": llm["hidden_size"],
             "ffn_hidden_size": llm["ffn_hidden_size"], "num_attention_heads": llm["num_attention_heads"],
             "num_query_groups": llm["num_attention_heads"], "kv_channels": None, "normalization": "rmsnorm",
             "layernorm_epsilon": 1e-5, "activation": "fast-swiglu", "bias": False,
@@ -375,35 +419,36 @@ def _llava_config() -> dict:
                                           "freeze": False},
                        "mm_mlp_adapter_type": "mlp2x_gelu", "use_im_start_end": False},
             "data": {"media_type": "image", "image_aspect_ratio": "square", "conv_template": "v1",
-                     "image_token_len": 576}}
+                     "image_token_len": (vision["image_size"] // vision["patch_size"]) ** 2}}
 
 
-def _llava_weights() -> dict:
-    """Random canonical weights (docs/architecture.md) drawn on the GPU (if any), in bf16 on the host."""
+def _random_neva_weights(shape: RandomNeva) -> dict:
+    """Random canonical weights (docs/architecture.md) drawn on the GPU (if any), in the shape's dtype on the host."""
     import torch
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
-    llm, vision = LLAVA_SHAPE["llm"], LLAVA_SHAPE["vision"]
+    llm, vision = shape.llm, shape.vision
+    dtype = getattr(torch, shape.dtype)
     hidden, ffn = llm["hidden_size"], llm["ffn_hidden_size"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device).manual_seed(0)
 
-    def rand(*shape, scale=0.02):
-        return (torch.randn(*shape, generator=generator, device=device) * scale).to(torch.bfloat16).cpu()
+    def rand(*size, scale=0.02):
+        return (torch.randn(*size, generator=generator, device=device) * scale).to(dtype).cpu()
 
     weights = {"embedding.word_embeddings.weight": rand(llm["vocab_size"], hidden),
                "output_layer.weight": rand(llm["vocab_size"], hidden),
-               "decoder.final_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+               "decoder.final_layernorm.weight": torch.ones(hidden, dtype=dtype)}
     for i in range(llm["num_layers"]):
         layer = f"decoder.layers.{i}."
-        weights |= {layer + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+        weights |= {layer + "input_layernorm.weight": torch.ones(hidden, dtype=dtype),
                     layer + "self_attention.linear_qkv.weight": rand(3 * hidden, hidden),
                     layer + "self_attention.linear_proj.weight": rand(hidden, hidden),
-                    layer + "pre_mlp_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                    layer + "pre_mlp_layernorm.weight": torch.ones(hidden, dtype=dtype),
                     layer + "mlp.linear_fc1.weight": rand(2 * ffn, hidden),
                     layer + "mlp.linear_fc2.weight": rand(hidden, ffn)}
     torch.manual_seed(0)
-    tower = CLIPVisionModel(CLIPVisionConfig(**vision, hidden_act="quick_gelu")).to(torch.bfloat16)
+    tower = CLIPVisionModel(CLIPVisionConfig(**vision, hidden_act="quick_gelu")).to(dtype)
     prefix = "embedding.word_embeddings."
     weights |= {f"{prefix}vision_encoder.vision_model.{name.removeprefix('vision_model.')}": t.detach().contiguous()
                 for name, t in tower.state_dict().items()}
@@ -413,12 +458,12 @@ def _llava_weights() -> dict:
     return weights
 
 
-def _words(seed: int) -> list[str]:
-    """TOKENIZER_WORDS distinct made-up words, each twice (the tokenizer's pieces, and the prompts' filler)."""
+def _words(seed: int, count: int) -> list[str]:
+    """`count` distinct made-up words, each twice (the tokenizer's pieces, and the prompts' filler)."""
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz"
     words: set[str] = set()
-    while len(words) < TOKENIZER_WORDS:
+    while len(words) < count:
         words.add("".join(rng.choice(letters) for _ in range(rng.randint(3, 9))))
     ordered = sorted(words)
     return ordered + ordered
@@ -427,6 +472,7 @@ def _words(seed: int) -> list[str]:
 # --- the server ------------------------------------------------------------------------------------------------------
 
 def start_server(engine_dir: Path, setting: Setting, device: str, log: Path) -> tuple[subprocess.Popen, dict]:
+    """`deploy_triton.py` with streaming, metrics and the OpenAI front on free loopback ports, ready."""
     from deploy.startup import free_port
 
     ports = {name: free_port() for name in ("http", "grpc", "metrics", "openai")}
@@ -434,19 +480,37 @@ def start_server(engine_dir: Path, setting: Setting, device: str, log: Path) -> 
                "-tha", "127.0.0.1", "-trp", str(ports["http"]), "--grpc_port", str(ports["grpc"]),
                "--metrics_port", str(ports["metrics"]), "--openai_port", str(ports["openai"]),
                "-mbs", str(setting.max_batch_size), "--streaming", "--device", device]
-    with log.open("w") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     urls = {"http": f"127.0.0.1:{ports['http']}", "grpc": f"grpc://127.0.0.1:{ports['grpc']}",
             "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
             "openai": f"http://127.0.0.1:{ports['openai']}/v1"}
+    return _ready(command, log, urls["openai"] + "/health/ready"), urls  # the OpenAI front: only once Triton is
+
+
+def start_ray_server(engine_dir: Path, device: str, replicas: int, cpus_per_replica: float,
+                     log: Path) -> tuple[subprocess.Popen, dict]:
+    """`deploy_ray.py` with `replicas` replicas on a local Ray cluster of just their CPUs, ready."""
+    from deploy.startup import free_port
+
+    port = free_port()
+    command = [sys.executable, str(REPO / "scripts/deploy_ray.py"), "-tmn", MODEL, "-tmr", str(engine_dir),
+               "--host", "127.0.0.1", "--port", str(port), "--num_replicas", str(replicas),
+               "--num_cpus", str(max(1, round(replicas * cpus_per_replica))),
+               "--num_cpus_per_replica", str(cpus_per_replica), "--device", device]
+    urls = {"openai": f"http://127.0.0.1:{port}/v1"}
+    return _ready(command, log, urls["openai"] + "/health/ready"), urls
+
+
+def _ready(command: list[str], log: Path, ready_url: str) -> subprocess.Popen:
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 1200
-    while time.monotonic() < deadline:  # the OpenAI front says ready only once Triton answers too
+    while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited; its log:\n{log.read_text()[-5000:]}")
         try:
-            with urllib.request.urlopen(urls["openai"] + "/health/ready", timeout=2) as response:
+            with urllib.request.urlopen(ready_url, timeout=2) as response:
                 if response.status == 200:
-                    return process, urls
+                    return process
         except OSError:
             time.sleep(1)
     process.kill()
@@ -464,14 +528,26 @@ def report(result: dict) -> str:
     lines = [f"{result['model']} on {result['device']}, max_batch_size {result['max_batch_size']}, "
              f"{result['client_processes']} client processes",
              f"{'protocol':12} {'load':>10} {'reqs':>5} {'err':>4} {'out tok/s':>10} {'sched tok/s':>11} "
-             f"{'ratio':>6} {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>17} {'latency p50/p99 s':>18}"]
+             f"{'ratio':>6} {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>17} {'latency p50/p99 s':>18}  server"]
     for phase in result["phases"]:
         scheduler = result["scheduler_tok_s"].get(str(phase["concurrency"])) if phase["concurrency"] else None
         ratio = f"{phase['output_tok_s'] / scheduler:.2f}" if scheduler else "-"
         lines.append(f"{phase['protocol']:12} {phase['mode']:>10} {phase['requests']:5d} {phase['errors']:4d} "
                      f"{phase['output_tok_s']:10.1f} {(f'{scheduler:.1f}' if scheduler else '-'):>11} {ratio:>6} "
                      f"{pair(phase['ttft_ms']):>17} {pair(phase['tpot_ms'], digits=2):>17} "
-                     f"{pair(phase['latency_s'], digits=3):>18}")
+                     f"{pair(phase['latency_s'], digits=3):>18}  {phase['server']}")
+    return "\n".join(lines)
+
+
+def scaling(result: dict) -> str:
+    """Each Ray replica count's output tok/s over one replica's, per protocol and load."""
+    one = {(p["protocol"], p["mode"]): p["output_tok_s"] for p in result["phases"] if p["server"] == "ray x1"}
+    lines = [f"{'server':8} {'protocol':12} {'load':>10} {'out tok/s':>10} {'vs 1 replica':>13}"]
+    for phase in result["phases"]:
+        base = one.get((phase["protocol"], phase["mode"]))
+        versus = f"{phase['output_tok_s'] / base:.2f}x" if base else "-"
+        lines.append(f"{phase['server']:8} {phase['protocol']:12} {phase['mode']:>10} {phase['output_tok_s']:10.1f} "
+                     f"{versus:>13}")
     return "\n".join(lines)
 
 
@@ -480,9 +556,17 @@ def main(argv: list[str] | None = None) -> dict:
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--demo", action="store_true", help="the bundled demo Neva (CPU unless --device cuda)")
     model.add_argument("--llava", action="store_true", help="a LLaVA-1.5-7B-shaped engine, random bf16 weights (GPU)")
+    model.add_argument("--small_llm", action="store_true",
+                       help="a random Neva whose 384-wide, 6-layer LLM makes decoding CPU-bound (float32)")
     parser.add_argument("--engine_dir", type=Path, help="where the engine is built, or reused if it is there")
     parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda with --llava, else cpu")
-    parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
+    parser.add_argument("--target", choices=("triton", "ray"), default="triton",
+                        help="serve with deploy_triton.py (default) or deploy_ray.py (the OpenAI protocols only)")
+    parser.add_argument("--ray_replicas", nargs="+", type=int, default=[1, 2], help="--target ray: replica counts")
+    parser.add_argument("--ray_cpus_per_replica", type=float, default=1.0, help="--target ray: CPUs per replica")
+    parser.add_argument("--protocols", nargs="+", choices=(*PROTOCOLS, OPENAI_PLAIN), default=None,
+                        help=f"default: {', '.join(PROTOCOLS)} with --target triton; {OPENAI_PLAIN} (no streaming) "
+                             "and openai with --target ray")
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 64])
     parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: none)")
     parser.add_argument("--requests", type=int, default=None,
@@ -490,39 +574,49 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--processes", type=int, default=min(16, os.cpu_count() or 1), help="client processes")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    setting = LLAVA if args.llava else DEMO
+    ray = args.target == "ray"
+    protocols = args.protocols or ([OPENAI_PLAIN, "openai"] if ray else list(PROTOCOLS))
+    if ray and not set(protocols) <= {OPENAI_PLAIN, "openai"}:
+        parser.error(f"--target ray serves the {OPENAI_PLAIN} and openai protocols only")
+    shape = LLAVA_SHAPE if args.llava else SMALL_LLM_SHAPE if args.small_llm else None
+    setting = LLAVA if args.llava else SMALL_LLM if args.small_llm else DEMO
     device = args.device or ("cuda" if args.llava else "cpu")
-    words = _words(args.seed) if args.llava else ["tell", "me", "more", "about", "it", "please"]
+    words = _words(args.seed, shape.words) if shape else ["tell", "me", "more", "about", "it", "please"]
+    out = Path(os.environ.get("OUT", "."))
     with tempfile.TemporaryDirectory() as tmp:
         engine_dir = args.engine_dir or Path(tmp) / "engine"
         if not (engine_dir / "manifest.json").is_file():
             engine_dir.parent.mkdir(parents=True, exist_ok=True)
-            llava_engine(engine_dir, setting, words) if args.llava else demo_engine(engine_dir, setting, device)
+            random_engine(engine_dir, setting, words, shape) if shape else demo_engine(engine_dir, setting, device)
         largest = max([*args.concurrency, 1])
         pool = make_requests(setting, args.requests or max(64, _phase_size(largest, 10**9)), args.seed, words)
-        result = {"model": "LLaVA-1.5-7B shape, random bf16" if args.llava else "demo Neva, float32",
-                  "device": device, "max_batch_size": setting.max_batch_size, "client_processes": args.processes,
-                  "scheduler_tok_s": {str(c): v for c, v in scheduler_only(engine_dir, device, pool,
-                                                                          args.concurrency).items()},
+        result = {"model": shape.name if shape else "demo Neva, float32", "device": device,
+                  "max_batch_size": setting.max_batch_size, "client_processes": args.processes,
+                  "scheduler_tok_s": {} if ray else {str(c): v for c, v in scheduler_only(
+                      engine_dir, device, pool, args.concurrency).items()},
                   "phases": []}
-        log = Path(os.environ.get("OUT", tmp)) / "serve_bench_server.log"
-        server, urls = start_server(engine_dir, setting, device, log)
-        try:
-            for protocol in args.protocols:
-                for concurrency in args.concurrency:
-                    phase_requests = pool[: args.requests or _phase_size(concurrency, len(pool))]
-                    result["phases"].append(run_phase(protocol, urls, phase_requests, args.processes,
-                                                      concurrency=concurrency))
-                    print(report({**result, "phases": result["phases"][-1:]}).splitlines()[-1], flush=True)
-                if args.rate:
-                    result["phases"].append(run_phase(protocol, urls, pool[: args.requests or 64], args.processes,
-                                                      rate=args.rate))
-        finally:
-            server.terminate()
-            server.wait(120)
-    out = Path(os.environ.get("OUT", "."))
+        servers = [(f"ray x{n}", lambda log, n=n: start_ray_server(engine_dir, device, n, args.ray_cpus_per_replica,
+                                                                   log)) for n in args.ray_replicas] if ray else \
+            [("triton", lambda log: start_server(engine_dir, setting, device, log))]
+        for label, start in servers:
+            server, urls = start(Path(os.environ.get("OUT", tmp)) / f"serve_bench_{label.replace(' ', '')}.log")
+            try:
+                for protocol in protocols:
+                    for concurrency in args.concurrency:
+                        phase_requests = pool[: args.requests or _phase_size(concurrency, len(pool))]
+                        phase = run_phase(protocol, urls, phase_requests, args.processes, concurrency=concurrency)
+                        result["phases"].append({"server": label, **phase})
+                        print(report({**result, "phases": result["phases"][-1:]}).splitlines()[-1], flush=True)
+                    if args.rate:
+                        phase = run_phase(protocol, urls, pool[: args.requests or 64], args.processes, rate=args.rate)
+                        result["phases"].append({"server": label, **phase})
+            finally:
+                server.terminate()
+                server.wait(120)
     (out / "serve_bench.json").write_text(json.dumps(result, indent=1))
     print(report(result))
+    if ray:
+        print(scaling(result))
     return result
 
 

@@ -384,3 +384,19 @@ def test_deploy_script_refuses_bad_flags_before_starting_anything(flags, expecte
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1 and expected in done.stderr, done.stderr
     assert_short_error(done.stderr.strip().splitlines()[-1])
+
+
+def test_serve_bench_measures_ray_replicas(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path), "RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")}
+    command = [sys.executable, str(REPO / "bench/serve_bench.py"), "--demo", "--target", "ray", "--ray_replicas", "1",
+               "--concurrency", "2", "--requests", "4", "--processes", "1"]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, check=False)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    phases = json.loads((tmp_path / "serve_bench.json").read_text())["phases"]
+    assert [(p["server"], p["protocol"], p["mode"]) for p in phases] == [
+        ("ray x1", "openai_plain", "c=2"), ("ray x1", "openai", "c=2")]
+    assert all(p["errors"] == 0 and p["requests"] == 4 and p["output_tok_s"] > 0 for p in phases), phases
+    assert any(line.startswith("ray x1") and line.endswith("1.00x") for line in done.stdout.splitlines())
