@@ -127,13 +127,12 @@ def reference(served):
 @pytest.fixture(scope="module")
 def images():
     """Fresh demo pictures as PNG bytes."""
-    drawn = load_demo_builder().sample_examples(np.random.default_rng(11), 16)
-    encoded = []
-    for image, _, _ in drawn:
+    def png(image) -> bytes:
         buffer = io.BytesIO()
         image.save(buffer, "PNG")
-        encoded.append(buffer.getvalue())
-    return encoded
+        return buffer.getvalue()
+
+    return [png(image) for image, _, _ in load_demo_builder().sample_examples(np.random.default_rng(11), 16)]
 
 
 # --- clients ---------------------------------------------------------------------------------------------------------
