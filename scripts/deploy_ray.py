@@ -22,6 +22,7 @@ from pathlib import Path
 
 import deploy_triton as triton_script  # this folder: the export, model and media flags are deploy_triton.py's
 
+from deploy.ray_serve import ScaleOptions, build_application  # imports Ray only when an application is built
 from deploy.startup import DeployError, check_model_repository, check_port_free
 
 LOGGER = logging.getLogger("deploy_ray")
@@ -96,6 +97,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, argparse.Namespace]:
                              or ray_args.cuda_visible_devices is not None):
         raise ValueError("--num_cpus, --num_gpus and --cuda_visible_devices set up a local cluster; with --address "
                          "give them to `ray start` on each node")
+    ray_args.scale = ScaleOptions(
+        num_replicas=ray_args.num_replicas, autoscaling_config=ray_args.autoscaling,
+        num_cpus_per_replica=ray_args.num_cpus_per_replica, num_gpus_per_replica=ray_args.num_gpus_per_replica,
+        max_ongoing_requests=ray_args.max_ongoing_requests, front_replicas=ray_args.front_replicas,
+        retries=ray_args.request_retries)
     return ray_args, settings
 
 
@@ -157,15 +163,8 @@ def deploy(args: argparse.Namespace, settings: argparse.Namespace) -> None:
     """Start Ray Serve's HTTP proxy and run the application; returns once every replica has warmed up."""
     from ray import serve
 
-    from deploy.ray_serve import ScaleOptions, build_application
-
-    scale = ScaleOptions(num_replicas=args.num_replicas, autoscaling_config=args.autoscaling,
-                         num_cpus_per_replica=args.num_cpus_per_replica,
-                         num_gpus_per_replica=args.num_gpus_per_replica,
-                         max_ongoing_requests=args.max_ongoing_requests, front_replicas=args.front_replicas,
-                         retries=args.request_retries)
     application = build_application(
-        str(Path(settings.triton_model_repository).resolve()), settings.triton_model_name, settings.modality, scale,
+        str(Path(settings.triton_model_repository).resolve()), settings.triton_model_name, settings.modality, args.scale,
         device=settings.device, media_policy=triton_script.media_policy(settings),
         max_request_bytes=settings.openai_max_request_bytes, verify_engine=settings.verify_engine)
     serve.start(http_options={"host": args.host, "port": args.port})

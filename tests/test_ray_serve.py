@@ -297,6 +297,9 @@ def test_triton_routes_answer_and_refuse_like_triton(served):
         assert_short_error(json.loads(failed.value.read())["error"])
     with urllib.request.urlopen(f"{served.url}/v2/models/{MODEL}/ready", timeout=30) as ready:
         assert ready.status == 200
+    for path in (MODEL, f"{MODEL}/config", f"{MODEL}_stream/config"):
+        with urllib.request.urlopen(f"{served.url}/v2/models/{path}", timeout=30) as config:
+            assert json.loads(config.read())["max_batch_size"] == 4
 
 
 def test_killing_a_replica_under_load_ends_every_request_and_the_replacement_serves(served, reference, images):
@@ -377,12 +380,27 @@ def test_base_install_does_not_import_ray():
     (["--autoscaling_config", "[1"], "not valid JSON"),
     (["--device", "cpu", "--num_gpus_per_replica", "1"], "take no GPU"),
     (["--address", "auto", "--num_cpus", "2"], "ray start"),
+    (["--num_replicas", "0"], "at least 1"),
 ])
 def test_deploy_script_refuses_bad_flags_before_starting_anything(flags, expected, tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "scripts/deploy_ray.py"), "-tmr", str(tmp_path), *flags],
                           capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1 and expected in done.stderr, done.stderr
     assert_short_error(done.stderr.strip().splitlines()[-1])
+
+
+def test_replicas_that_do_not_fit_the_local_cluster_are_refused(served):
+    env = {**os.environ, "RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")}
+    command = [sys.executable, str(REPO / "scripts/deploy_ray.py"), "-tmn", MODEL, "-tmr", str(served.repo),
+               "--host", "127.0.0.1", "--port", str(free_port()), "--num_cpus", "1", "--num_replicas", "2"]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, check=False)
+    finally:
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert "do not fit the local cluster's 1 CPUs" in last and "--num_cpus_per_replica" in last
+    assert_short_error(last)
 
 
 def test_serve_bench_measures_ray_replicas(tmp_path):
@@ -398,4 +416,5 @@ def test_serve_bench_measures_ray_replicas(tmp_path):
     assert [(p["server"], p["protocol"], p["mode"]) for p in phases] == [
         ("ray x1", "openai_plain", "c=2"), ("ray x1", "openai", "c=2")]
     assert all(p["errors"] == 0 and p["requests"] == 4 and p["output_tok_s"] > 0 for p in phases), phases
-    assert any(line.startswith("ray x1") and line.endswith("1.00x") for line in done.stdout.splitlines())
+    assert any(line.startswith("ray x1") and " 1.00x " in line for line in done.stdout.splitlines())
+    assert all(p["server_cpus"] > 0 for p in phases)
