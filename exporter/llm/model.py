@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from .config import DecoderConfig
 from .gemv import linear
 from .moe import expert_mlp, route
+from .paged_attention import FP8_DTYPE, FP8_MAX, PagedBatch, PagedKVCache, paged_attention
 from .quant.linear import QuantLinear
 
 # GELU ("gelu", "geglu") is applied with the config's approximation; "openai-gelu" is always the tanh form.
@@ -159,6 +160,7 @@ def _split_heads(
     cache_layer: Tensor | None,
     cache_rows: Tensor | None,
     cache_positions: Tensor | None,
+    kv_scale: Tensor | None,
     groups: int,
     q_per_group: int,
     rotary_dim: int,
@@ -166,8 +168,9 @@ def _split_heads(
     """NeMo's fused QKV output `[N, groups*(q_per_group+2)*d]` -> queries `[N,heads,d]` and keys and values
     stacked `[2,N,groups,d]`, RoPE applied to queries and keys (NeoX style, first `rotary_dim` dims) if `cos`
     (`[N,1,rotary_dim]`, as `sin`). With a cache, keys and values are also written to `cache_layer
-    [2, rows, max_seq, groups, d]` (the whole allocation) at `cache_rows [N]`, `cache_positions [N]` (in the same
-    kernel on CUDA)."""
+    [2, rows, max_seq, groups, d]` (the whole allocation; for a paged cache `[2, blocks, block_size, groups, d]`)
+    at `cache_rows [N]`, `cache_positions [N]` (rows and positions, or blocks and offsets), in the same kernel on
+    CUDA; a float8 cache stores them divided by `kv_scale [2, 1, groups, 1]`."""
     tokens = qkv.shape[0]
     # rows are grouped per KV head: q_per_group query heads, one key, one value
     qkv = qkv.view(tokens, groups, q_per_group + 2, -1)
@@ -177,7 +180,8 @@ def _split_heads(
         q, k = _rotate(q, cos, sin, rotary_dim), _rotate(k, cos, sin, rotary_dim)
     kv = torch.stack([k, v])
     if cache_layer is not None:
-        cache_layer[:, cache_rows, cache_positions] = kv
+        stored = kv if kv_scale is None else (kv.float() / kv_scale).clamp(-FP8_MAX, FP8_MAX)
+        cache_layer[:, cache_rows, cache_positions] = stored.to(cache_layer.dtype)
     return q, kv
 
 
@@ -272,6 +276,7 @@ class _Attention:
         keys (flash attention).
     Otherwise each token attends to keys at positions <= its own, `mask [B,1,T,S]` (additive) says which.
     With a cache, each token's keys and values go to its row `cache_rows` at `cache_positions` (both `[B*T]`).
+    paged: a paged cache's call (`cache` None, `cache_rows`/`cache_positions` its blocks and offsets, no mask).
     """
 
     fresh: bool
@@ -282,6 +287,7 @@ class _Attention:
     cache_positions: Tensor | None
     kv_len: int | None
     mask: Tensor | None
+    paged: PagedBatch | None = None
 
 
 class SelfAttention(nn.Module):
@@ -292,18 +298,21 @@ class SelfAttention(nn.Module):
         self.groups = config.num_query_groups
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
+        self.window = config.attention_window
         qkv_rows = (self.heads + 2 * self.groups) * self.head_dim
         self.linear_qkv = _layer_linear(config, config.hidden_size, qkv_rows)
         self.linear_proj = _layer_linear(config, self.heads * self.head_dim, config.hidden_size)
 
     def forward(self, x: Tensor, attention: _Attention) -> Tensor:
         batch, length, _ = x.shape
+        qkv = self.linear_qkv(x)
+        if attention.paged is not None:
+            return self.linear_proj(self._paged(qkv.view(batch * length, -1), attention).view(batch, length, -1))
         cache = attention.cache
         layer = None if cache is None else cache.data[self.layer_number]  # [2,all rows,S,groups,d]
-        qkv = self.linear_qkv(x)
         q, kv = _split_heads(qkv.view(batch * length, -1), attention.cos, attention.sin, layer,
-                             attention.cache_rows, attention.cache_positions, self.groups, self.heads // self.groups,
-                             self.rotary_dim)
+                             attention.cache_rows, attention.cache_positions, None, self.groups,
+                             self.heads // self.groups, self.rotary_dim)
         q = q.view(batch, length, self.heads, -1).transpose(1, 2)  # [B,heads,T,d]
         kv = kv.view(2, batch, length, self.groups, -1)
         if layer is not None and not attention.fresh:  # attend to the cache, this call's keys included
@@ -313,6 +322,16 @@ class SelfAttention(nn.Module):
                                              enable_gqa=self.groups != self.heads)
         out = out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)
         return self.linear_proj(out)
+
+    def _paged(self, qkv: Tensor, attention: _Attention) -> Tensor:
+        """Write the tokens' keys and values into their blocks, then attend over the paged cache: `[N, heads*d]`."""
+        cache = attention.paged.cache
+        scales = cache.scales
+        q, _ = _split_heads(qkv, attention.cos, attention.sin, cache.data[self.layer_number], attention.cache_rows,
+                            attention.cache_positions,
+                            None if scales is None else scales[self.layer_number][:, None, :, None], self.groups,
+                            self.heads // self.groups, self.rotary_dim)
+        return paged_attention(q, self.layer_number, attention.paged, self.window).flatten(1)
 
 
 class MLP(nn.Module):
@@ -477,11 +496,20 @@ class Decoder(nn.Module):
         shape = (c.num_layers, 2, batch_size, max_seq_len, c.num_query_groups, c.head_dim)
         return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device))
 
+    def new_paged_kv_cache(self, num_blocks: int, block_size: int, scales: Tensor | None = None) -> PagedKVCache:
+        """A zeroed block pool (block 0 the null block) in the model dtype, or in float8 e4m3 with `scales
+        [layers, 2, kv_heads]` (`exporter.llm.paged_attention`)."""
+        c = self.config
+        shape = (c.num_layers, 2, num_blocks, block_size, c.num_query_groups, c.head_dim)
+        dtype = self.dtype if scales is None else FP8_DTYPE
+        data = torch.zeros(shape, dtype=dtype, device=self.device)
+        return PagedKVCache(data, None if scales is None else scales.to(device=self.device, dtype=torch.float32))
+
     def forward(
         self,
         inputs_embeds: Tensor,
         positions: Tensor | None = None,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVCache | PagedBatch | None = None,
         kv_len: int | None = None,
         output_index: Tensor | None = None,
     ) -> Tensor:
@@ -493,9 +521,11 @@ class Decoder(nn.Module):
             continuing past their end; padded slots are overwritten later or masked.
             None: a fresh prompt at positions `0..T-1` (causal attention over this call; with a cache, slots
             `[0, T)` are written and `kv_len` is not used).
-        kv_cache: from `new_kv_cache`; its batch must equal B.
+        kv_cache: from `new_kv_cache`; its batch must equal B. Or a `PagedBatch` over a paged cache: then
+            `inputs_embeds` is `[1, N, H]`, the batch's tokens in its order, and `positions` `[1, N]` is given.
         kv_len: attend to cache slots `[0, kv_len)` only (must exceed every position); default: all.
-        output_index: `[B]` index along T per row; if given, only those positions' logits come back `[B,1,V]`.
+        output_index: `[B]` or `[B, K]` indices along T per row; if given, only those positions' logits come back
+            `[B,1,V]` or `[B,K,V]`.
         Returns logits `[B,T,V]` in the model dtype.
         """
         batch, length, _ = inputs_embeds.shape
@@ -512,7 +542,7 @@ class Decoder(nn.Module):
             x, delta = layer(x, delta, attention)
         _, x = self.decoder.final_layernorm(x, delta)
         if output_index is not None:
-            x = x.gather(1, output_index.view(batch, 1, 1).expand(batch, 1, x.shape[-1]))
+            x = x.gather(1, output_index.view(batch, -1, 1).expand(batch, -1, x.shape[-1]))
         head = (
             self.embedding.word_embeddings.weight
             if self.config.share_embeddings_and_output_weights
@@ -520,8 +550,12 @@ class Decoder(nn.Module):
         )
         return linear(x, head)
 
-    def _attention(self, positions: Tensor | None, kv_cache: KVCache | None, kv_len: int | None, batch: int,
-                   length: int, device: torch.device) -> _Attention:
+    def _attention(self, positions: Tensor | None, kv_cache: KVCache | PagedBatch | None, kv_len: int | None,
+                   batch: int, length: int, device: torch.device) -> _Attention:
+        if isinstance(kv_cache, PagedBatch):
+            cos, sin = self.rope.cos_sin(positions) if self.rope is not None else (None, None)
+            blocks, offsets = kv_cache.write_slots()
+            return _Attention(False, cos, sin, None, blocks, offsets, None, None, paged=kv_cache)
         window = self.config.attention_window
         fresh = positions is None and (window is None or length <= window + 1)  # no key outside the window
         if positions is None:
