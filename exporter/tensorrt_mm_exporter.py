@@ -29,6 +29,7 @@ from .llm.generate import SamplingParams
 from .media_safety import MediaPolicy
 from .models import get_model_type
 from .runtime import Completion, Pipeline, Request
+from .runtime.kv_cache import KVCacheOptions
 
 MODALITIES = ("vision", "audio")
 BACKENDS = ("torch",)
@@ -45,11 +46,17 @@ class TensorRTMMExporter(ITritonDeployable):
     ``media_policy`` caps the media the model decodes (image pixels, video frames and duration, audio bytes and
     duration); None keeps each model type's defaults. ``verify_engine``: check the engine files' sha256 at load
     (None: when not verified in their current state before; sizes are always checked).
+    The KV cache (TensorRT-LLM's names): ``kv_cache_free_gpu_mem_fraction`` of the GPU memory left free after the
+    model is loaded is taken by the paged cache; ``kv_cache_bytes`` is its size on the CPU (a cap on CUDA);
+    ``kv_cache_dtype`` "auto" (the model's) or "fp8"; ``enable_kv_cache_reuse`` shares the blocks of identical
+    prompt prefixes between requests; ``max_num_tokens`` caps the prompt positions one step prefills.
     """
 
     def __init__(self, model_dir: str | Path, load_model: bool = True, modality: str = "vision",
                  device: str | None = None, media_policy: MediaPolicy | None = None,
-                 verify_engine: bool | None = None):
+                 verify_engine: bool | None = None, kv_cache_free_gpu_mem_fraction: float = 0.9,
+                 kv_cache_bytes: int | None = None, kv_cache_dtype: str = "auto", enable_kv_cache_reuse: bool = True,
+                 max_num_tokens: int | None = None):
         if modality not in MODALITIES:
             raise InvalidModalityError(f"modality must be one of {MODALITIES}, got {modality!r}")
         self.model_dir = Path(model_dir)
@@ -57,6 +64,9 @@ class TensorRTMMExporter(ITritonDeployable):
         self.device = device or _default_device()
         self.media_policy = media_policy
         self.verify_engine = verify_engine
+        self.kv_cache = KVCacheOptions(free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction, max_bytes=kv_cache_bytes,
+                                       dtype=kv_cache_dtype, enable_reuse=enable_kv_cache_reuse)
+        self.max_num_tokens = max_num_tokens
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
         if load_model and (self.model_dir / "manifest.json").is_file():
@@ -137,7 +147,7 @@ class TensorRTMMExporter(ITritonDeployable):
             self.pipeline.close()
         self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy,
                                   verify=self.verify_engine)
-        self.pipeline = Pipeline(self.engine)
+        self.pipeline = Pipeline(self.engine, kv_cache=self.kv_cache, max_num_tokens=self.max_num_tokens)
 
     def forward(
         self,

@@ -98,6 +98,15 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     (None, "--quantization", str, None, None,
      "store the LLM layers' weights quantized: int8_wo, int4_wo, int4_awq (calibrated on --calib_data) or fp8"),
     (None, "--calib_data", str, None, None, "int4_awq: calibration prompts, a text file, one a line (default: bundled)"),
+    (None, "--kv_cache_free_gpu_mem_fraction", float, None, 0.9,
+     "share of the GPU memory left free after loading the model that the paged KV cache takes"),
+    (None, "--kv_cache_bytes", int, None, None,
+     "bytes of the KV cache: its size on the CPU (default: every row at max_input_len + max_output_len, at most "
+     "4 GiB), a cap on the GPU"),
+    (None, "--kv_cache_dtype", str, ("auto", "fp8"), "auto",
+     "KV-cache storage: the model's dtype, or float8 e4m3 with per-head scales (GPUs with FP8)"),
+    (None, "--max_num_tokens", int, None, 512,
+     "prompt positions one scheduler step prefills at most (long prompts are prefilled in chunks between decode steps)"),
     (None, "--openai_port", int, None, None, "port of an OpenAI-compatible HTTP API (/v1/chat/completions)"),
     (None, "--openai_address", str, None, None, "address the OpenAI API listens on (default: --triton_http_address)"),
     (None, "--openai_max_request_bytes", int, None, None,
@@ -118,7 +127,7 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
 OPTIONAL_VALUE = {"use_lora_plugin": "auto"}  # given alone, the flag takes this value
 FLAG_OPTIONS = ("streaming", "media_allow_private_networks")
 DEFAULTS = {long[2:]: default for _, long, _, _, default, _ in OPTIONS} | {"lora_target_modules": None}
-DEFAULTS |= {name: False for name in FLAG_OPTIONS} | {"verify_engine": None}
+DEFAULTS |= {name: False for name in FLAG_OPTIONS} | {"verify_engine": None, "enable_kv_cache_reuse": True}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -151,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="check the sha256 of every engine file at load (default: when the files were not verified in their "
         "current state before; sizes are always checked)",
+    )
+    parser.add_argument(
+        "--enable_kv_cache_reuse",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the KV-cache blocks of identical prompt prefixes (token ids and media) between requests "
+        "(default: on)",
     )
     parser.add_argument(
         "--media_allow_private_networks",
@@ -203,6 +219,14 @@ def _validate(settings: dict) -> None:
             raise ValueError(f"{long} must be {kind.__name__}, got {value!r}")
     if settings["verify_engine"] not in (None, True, False):
         raise ValueError(f"verify_engine must be true or false, got {settings['verify_engine']!r}")
+    if settings["enable_kv_cache_reuse"] not in (True, False):
+        raise ValueError(f"enable_kv_cache_reuse must be true or false, got {settings['enable_kv_cache_reuse']!r}")
+    fraction = settings["kv_cache_free_gpu_mem_fraction"]
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"--kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction}")
+    for name in ("kv_cache_bytes", "max_num_tokens"):
+        if settings[name] is not None and settings[name] < 1:
+            raise ValueError(f"--{name} must be positive, got {settings[name]}")
     for value in settings["lora_target_modules"] or ():
         if value not in LORA_TARGET_MODULES:
             raise ValueError(
@@ -252,7 +276,10 @@ def build_deployable(settings: argparse.Namespace):
     try:
         exporter = TensorRTMMExporter(
             model_dir=str(repository), load_model=not exporting, modality=settings.modality,
-            media_policy=media_policy(settings), verify_engine=settings.verify_engine, **extra
+            media_policy=media_policy(settings), verify_engine=settings.verify_engine,
+            kv_cache_free_gpu_mem_fraction=settings.kv_cache_free_gpu_mem_fraction,
+            kv_cache_bytes=settings.kv_cache_bytes, kv_cache_dtype=settings.kv_cache_dtype,
+            enable_kv_cache_reuse=settings.enable_kv_cache_reuse, max_num_tokens=settings.max_num_tokens, **extra
         )
         if exporting:
             step = "the export"

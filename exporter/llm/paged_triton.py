@@ -37,6 +37,11 @@ def available() -> bool:
     return triton is not None
 
 
+def _padded(dim: int) -> int:
+    """The head size the kernels compute with: a power of two, at least 16 (the extra lanes are masked)."""
+    return max(16, triton.next_power_of_2(dim))
+
+
 def _precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"
 
@@ -45,6 +50,7 @@ def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, s
            splits: int, window: int | None) -> Tensor:
     """Attention of `q [R, heads, d]` (row r's token at `positions[r]`) over keys `[0, positions[r]]` of row r's
     blocks `tables [>= R, max_blocks]` (int32). `scales [2, kv_heads]` for float8 blocks. Returns `[R, heads, d]`."""
+    q = q.contiguous()
     rows, heads, dim = q.shape
     groups = k.shape[2]
     per_group = heads // groups
@@ -53,8 +59,8 @@ def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, s
         return out
     fp8 = scales is not None
     k_scale, v_scale = (scales[0], scales[1]) if fp8 else (q, q)  # unused pointers without float8
-    common = dict(QPG=per_group, QP=max(16, triton.next_power_of_2(per_group)), D=dim, BS=k.shape[1],
-                  FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype))
+    common = dict(QPG=per_group, QP=max(16, triton.next_power_of_2(per_group)), D=dim, DP=_padded(dim),
+                  BS=k.shape[1], FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0))
     scale = _LOG2E / math.sqrt(dim)
     if splits <= 1:
@@ -69,7 +75,7 @@ def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, s
                                           window or 0, scale, triton.next_power_of_2(rows), SPLITS=splits, **common)
     _merge_kernel[(rows, heads)](partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
                                  out.stride(0), out.stride(1), SPLITS=splits,
-                                 SP=triton.next_power_of_2(splits), D=dim)
+                                 SP=triton.next_power_of_2(splits), D=dim, DP=_padded(dim))
     return out
 
 
@@ -78,6 +84,7 @@ def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales
     """Causal attention of prompt positions `q [C, heads, d]` over their rows' blocks. `tiles [T, 4]` int32: per
     program (sequence s or -1, first query index, query count <= CHUNK_TILE, position of that first query);
     sequence s reads blocks `tables[s]`. Queries no tile covers come back as zeros."""
+    q = q.contiguous()
     tokens, heads, dim = q.shape
     groups = k.shape[2]
     out = torch.zeros_like(q)
@@ -88,7 +95,8 @@ def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales
     _chunk_tuned[(tiles.shape[0], heads)](
         q, k, v, tables, tiles, k_scale, v_scale, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         k.stride(2), tables.stride(0), out.stride(0), out.stride(1), tables.shape[1], window or 0,
-        _LOG2E / math.sqrt(dim), QPG=heads // groups, D=dim, BS=k.shape[1], BLOCK_M=CHUNK_TILE, FP8=fp8,
+        _LOG2E / math.sqrt(dim), QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1], BLOCK_M=CHUNK_TILE,
+        FP8=fp8,
         WINDOWED=window is not None, PRECISION=_precision(q.dtype))
     return out
 
@@ -97,21 +105,22 @@ if triton is not None:
 
     @triton.jit
     def _load_blocks(k_ptr, v_ptr, tables_ptr, table_row, keys, key_ok, group, max_blocks, stride_kb, stride_kt,
-                     stride_kh, d, BS: tl.constexpr):
-        """Keys and values `[len(keys), D]` of one KV head at positions `keys` of a row, as stored."""
+                     stride_kh, d, d_ok, BS: tl.constexpr):
+        """Keys and values `[len(keys), DP]` of one KV head at positions `keys` of a row, as stored."""
         page = tl.minimum(keys // BS, max_blocks - 1)
         block = tl.load(tables_ptr + table_row + page, mask=key_ok, other=0).to(tl.int64)
         offsets = block * stride_kb + (keys % BS).to(tl.int64) * stride_kt + group * stride_kh
-        k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=key_ok[:, None], other=0.0)
+        mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
         return k, v
 
     @triton.jit
     def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
                        stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_or, stride_oh,
-                       stride_os, max_blocks, window, scale, row_bucket, QPG: tl.constexpr, QP: tl.constexpr, D: tl.constexpr,
-                       BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
-                       WINDOWED: tl.constexpr, PRECISION: tl.constexpr):
+                       stride_os, max_blocks, window, scale, row_bucket, QPG: tl.constexpr, QP: tl.constexpr,
+                       D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SPLITS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr):
         """One (row, KV head, split): online softmax over the split's keys for the KV head's query heads."""
         row = tl.program_id(0)
         group = tl.program_id(1)
@@ -128,21 +137,22 @@ if triton is not None:
         lane = tl.arange(0, QP)
         head_ok = lane < QPG
         heads = group * QPG + lane
-        d = tl.arange(0, D)
+        d = tl.arange(0, DP)
+        d_ok = d < D
         q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=head_ok[:, None], other=0.0)
+                    mask=head_ok[:, None] & d_ok[None, :], other=0.0)
         qk_scale = scale
         if FP8:
             qk_scale = scale * tl.load(k_scale_ptr + group)
         m = tl.full((QP,), -1e30, dtype=tl.float32)
         total = tl.zeros((QP,), dtype=tl.float32)
-        acc = tl.zeros((QP, D), dtype=tl.float32)
+        acc = tl.zeros((QP, DP), dtype=tl.float32)
         table_row = row.to(tl.int64) * stride_tr
         for start in range(lo, hi, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
             key_ok = (keys < hi) & (keys >= first_key)
             k, v = _load_blocks(k_ptr, v_ptr, tables_ptr, table_row, keys, key_ok, group, max_blocks, stride_kb,
-                                stride_kt, stride_kh, d, BS)
+                                stride_kt, stride_kh, d, d_ok, BS)
             if FP8:
                 k, v = k.to(q.dtype), v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -159,15 +169,15 @@ if triton is not None:
         acc = acc / tl.where(found, total, 1.0)[:, None]
         out = out_ptr + row.to(tl.int64) * stride_or + heads[:, None] * stride_oh + split * stride_os + d[None, :]
         if SPLITS == 1:
-            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
         else:
-            tl.store(out, acc, mask=head_ok[:, None])
+            tl.store(out, acc, mask=head_ok[:, None] & d_ok[None, :])
             lse = tl.where(found, m + tl.log2(tl.where(found, total, 1.0)), float("-inf"))
             tl.store(lse_ptr + (row * (QPG * tl.num_programs(1)) + heads) * SPLITS + split, lse, mask=head_ok)
 
     @triton.jit
     def _merge_kernel(partial_ptr, lse_ptr, out_ptr, stride_pr, stride_ph, stride_ps, stride_or, stride_oh,
-                      SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr):
+                      SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
         """One (row, head): the splits' partial outputs weighted by their share of the softmax mass."""
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -177,16 +187,20 @@ if triton is not None:
                       other=float("-inf"))
         weight = tl.exp2(lse - tl.max(lse, 0))
         weight = tl.where(split_ok, weight, 0.0)
-        d = tl.arange(0, D)
+        d = tl.arange(0, DP)
+        d_ok = d < D
         partial = tl.load(partial_ptr + row.to(tl.int64) * stride_pr + head * stride_ph
-                          + split[:, None] * stride_ps + d[None, :], mask=split_ok[:, None], other=0.0)
+                          + split[:, None] * stride_ps + d[None, :], mask=split_ok[:, None] & d_ok[None, :],
+                          other=0.0)
         out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
-        tl.store(out_ptr + row.to(tl.int64) * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + row.to(tl.int64) * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+                 mask=d_ok)
 
     @triton.jit
     def _chunk_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr, out_ptr, stride_qt,
                       stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_ot, stride_oh, max_blocks, window,
-                      scale, QPG: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      scale, QPG: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+                      BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr):
         """One (query tile, head): causal online softmax over the tile's row up to each query's position."""
         tile = tl.program_id(0)
@@ -200,10 +214,11 @@ if triton is not None:
             rows = tl.arange(0, BLOCK_M)
             row_ok = rows < count
             query_positions = start + rows
-            d = tl.arange(0, D)
+            d = tl.arange(0, DP)
+            d_ok = d < D
             tokens = (first + rows).to(tl.int64)
-            q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :], mask=row_ok[:, None],
-                        other=0.0)
+            q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
             qk_scale = scale
             if FP8:
                 qk_scale = scale * tl.load(k_scale_ptr + group)
@@ -213,13 +228,13 @@ if triton is not None:
                 lo = (tl.maximum(start - window, 0) // BLOCK_N) * BLOCK_N
             m = tl.full((BLOCK_M,), -1e30, dtype=tl.float32)
             total = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            acc = tl.zeros((BLOCK_M, D), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, DP), dtype=tl.float32)
             table_row = sequence.to(tl.int64) * stride_tr
             for key_start in range(lo, end, BLOCK_N):
                 keys = key_start + tl.arange(0, BLOCK_N)
                 key_ok = keys < end
                 k, v = _load_blocks(k_ptr, v_ptr, tables_ptr, table_row, keys, key_ok, group, max_blocks,
-                                    stride_kb, stride_kt, stride_kh, d, BS)
+                                    stride_kb, stride_kt, stride_kh, d, d_ok, BS)
                 if FP8:
                     k, v = k.to(q.dtype), v.to(q.dtype)
                 s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -237,7 +252,7 @@ if triton is not None:
                 acc = acc * tl.load(v_scale_ptr + group)
             acc = acc / tl.where(total > 0, total, 1.0)[:, None]
             tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
     # Decode reads the cache once: the configurations vary the keys per iteration and the pipelining depth that
     # keep HBM busy (H100: 64-128 keys of 128-dim bf16 per iteration, 2-4 stages; float8 halves the bytes).

@@ -352,11 +352,12 @@ def activation_bytes(model: Decoder, rows: int, chunk_tokens: int, max_beam_widt
     the full token choice included (CUDA; measured on a two-block cache, before the real one is sized)."""
     device = model.device
     cache = model.new_paged_kv_cache(2, SHORTEST_CHUNK)
-    tables = torch.zeros(rows, 1, dtype=torch.int32, device=device)
+    pages = -(-chunk_tokens // SHORTEST_CHUNK)
+    tables = torch.ones(rows, pages, dtype=torch.int32, device=device)
     chooser = TokenChooser(rows, model.config.vocab_size, device, max_beam_width)
     step = ForwardStep(model, cache, tables, chooser, max_chunk=chunk_tokens, use_cuda_graphs=False)
     embeds = torch.zeros(chunk_tokens, model.config.hidden_size, dtype=model.dtype, device=device)
-    piece = Piece(embeds, 0, [1] * -(-chunk_tokens // SHORTEST_CHUNK))
+    piece = Piece(embeds, 0, [1] * pages)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
