@@ -1,45 +1,21 @@
 """Serving exported multimodal models behind Triton (NeMo's `nemo.deploy` names).
 
 PyTriton is imported when `DeployPyTriton` is first used, so that exporting and running a model in-process
-(`exporter`) works where PyTriton is not installed.
+(`exporter`) works where PyTriton is not installed. `ITritonDeployable` is the wire format's contract
+(`wire.ITritonDeployable`), under NeMo's name.
 """
 
 from __future__ import annotations
 
 from deploy.startup import DeployError, ModelRepositoryError, PortInUseError
-from deploy.triton_deployable import (
-    MODEL_TYPE_MODALITY,
-    GenerationParams,
-    ITritonDeployable,
-    RequestRow,
-    encode_outputs,
-    modality_of,
-    multimodal_triton_inputs,
-    multimodal_triton_outputs,
-    split_request,
-)
+from wire import ITritonDeployable
 
-__all__ = [
-    "MODEL_TYPE_MODALITY",
-    "DeployError",
-    "DeployPyTriton",
-    "GenerationParams",
-    "ITritonDeployable",
-    "ModelRepositoryError",
-    "PortInUseError",
-    "RequestBatcher",
-    "RequestRow",
-    "encode_outputs",
-    "modality_of",
-    "multimodal_triton_inputs",
-    "multimodal_triton_outputs",
-    "split_request",
-]
+__all__ = ["DeployError", "DeployPyTriton", "ITritonDeployable", "ModelRepositoryError", "PortInUseError"]
 
 
 def __getattr__(name: str):
-    if name in ("DeployPyTriton", "RequestBatcher"):
-        from deploy import deploy_pytriton
+    if name == "DeployPyTriton":
+        from deploy.deploy_pytriton import DeployPyTriton
 
-        return getattr(deploy_pytriton, name)
+        return DeployPyTriton
     raise AttributeError(name)

@@ -1,143 +1,71 @@
-"""Serve an `ITritonDeployable` on Triton through PyTriton: batching across requests, errors per request.
+"""Serve an `ITritonDeployable` on Triton through PyTriton: every request runs on its own as soon as it arrives.
 
-PyTriton 0.7.0 fails a whole Triton batch when the inference callable raises, and cannot return an error for
-one request of a batch (its proxy wraps every response as outputs; its error flag applies to all requests).
-So Triton never batches here: the model gets `max_batch_size` instances under Triton's default scheduler, each
-instance receives one request at a time, and the instances hand their requests to one `RequestBatcher` that
-runs the model on all waiting requests together (dynamic batching inside this process). A failed request
-raises in its own instance only, so Triton answers it with an error while the others of the batch succeed.
+The model gets `max_batch_size` Triton instances under Triton's default scheduler (no dynamic batching): each
+instance takes one request at a time and calls the model for it at once, from its own thread. Concurrent requests
+meet in the model's in-flight scheduler, which shares decode steps among them; each request is answered as soon as
+its own rows are done, and a failed request fails alone. With `streaming=True` a second, decoupled model
+`<name>_stream` is served next to it: the same inputs, one response per piece of text as it is generated (gRPC
+streams, HTTP `generate_stream`), `max_batch_size` instances each streaming one request.
 
-With `streaming=True` a second, decoupled model `<name>_stream` is served next to it: the same inputs, one
-response per piece of text as it is generated (gRPC streams, HTTP `generate_stream`). Its instances (as many as
-`max_batch_size`) each stream one request straight from the model; they share the model's in-flight scheduler.
+Around Triton:
+
+- Ready means a request succeeds: the warm-up request runs before anything is bound, and the models are written
+  into Triton's repository before Triton starts, so Triton opens its ports (and `/v2/health/ready` answers 200)
+  only once every model is loaded.
+- A failed request reaches its client as one line with a status: 400 bad input, 500 server fault, 503 stopping
+  (`deploy.triton_errors`, applied inside Triton by `deploy/triton_stub_model.py`); the log keeps the traceback.
+- Triton and its backend processes die with this process, even on SIGKILL, and leave no shared memory behind
+  (`deploy.process_guard`).
+- The metrics port serves this server's metrics followed by Triton's own (`deploy.metrics`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
-import queue
+import shutil
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
+from pytriton.constants import PYTRITON_HOME
 from pytriton.model_config import ModelConfig
-from pytriton.triton import Triton, TritonConfig
+from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy
+from pytriton.utils.workspace import Workspace
 
-from deploy.startup import DeployError, check_port_free, ensure_libpython_on_library_path, pick_metrics_port
-from deploy.triton_deployable import (
-    InferRequest,
-    default_warmup_request,
-    infer_requests_one_by_one,
-    stream_model_name,
+from deploy.metrics import MetricsServer, ServerMetrics
+from deploy.process_guard import ProcessGuard, clean_stale_files, workspace_path
+from deploy.startup import (
+    DeployError,
+    check_port_free,
+    ensure_libpython_on_library_path,
+    free_port,
+    pick_metrics_port,
+    raise_stack_limit_for_triton,
 )
+from deploy.triton_errors import (
+    BAD_REQUEST,
+    INPUT_CAPS_FILE,
+    INTERNAL,
+    UNAVAILABLE,
+    RequestFailed,
+    client_failure,
+)
+from wire import default_warmup_request, stream_model_name
 
 LOGGER = logging.getLogger(__name__)
 
-InferRequests = Callable[[Sequence[InferRequest]], Sequence["dict[str, np.ndarray] | Exception"]]
-
-
-# PyTriton 0.7.0 races when several instances start: instance 0 opens a handshake socket that the others poll
-# for 1 s and connect to; on a busy machine they can miss it (connection refused, timeout): the load fails.
-_HANDSHAKE_RACE = "get_config_from_handshake_server"
-_START_ATTEMPTS = 3
+# Models are written into Triton's repository and loaded when Triton starts, before its ports open.
+_LOCAL_MODELS = TritonLifecyclePolicy(launch_triton_on_startup=False, local_model_store=True)
+_MONITOR_INTERVAL_S = 0.5
+_BACKEND_FILES = {"model.py": "triton_stub_model.py", "triton_errors.py": "triton_errors.py"}
 
 
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
-
-
-def _rows(request: InferRequest) -> int:
-    text = request.get("input_text")
-    return 1 if text is None else max(1, int(np.asarray(text).shape[0]))
-
-
-class RequestBatcher:
-    """Runs a model on the requests submitted from many threads, several at a time, in one worker thread.
-
-    A batch starts with the oldest waiting request and takes the requests arriving within `max_queue_delay_s`
-    of it, up to `max_batch_size` rows.
-    """
-
-    def __init__(self, infer_requests: InferRequests, max_batch_size: int, max_queue_delay_s: float):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
-        self._infer_requests = infer_requests
-        self._max_batch_size = max_batch_size
-        self._max_queue_delay_s = max(0.0, max_queue_delay_s)
-        self._queue: queue.Queue[tuple[InferRequest, Future] | None] = queue.Queue()
-        self._held: tuple[InferRequest, Future] | None = None
-        self._stopped = False
-        self._worker = threading.Thread(target=self._run, name="request-batcher", daemon=True)
-        self._worker.start()
-
-    def submit(self, request: InferRequest) -> Future:
-        """Queue one request; the future holds its outputs or the exception it failed with."""
-        if self._stopped:
-            raise DeployError("the model is stopped and takes no more requests")
-        future: Future = Future()
-        self._queue.put((request, future))
-        return future
-
-    def infer(self, request: InferRequest) -> dict[str, np.ndarray]:
-        """Run one request with whatever else is waiting and return its outputs (or raise its error)."""
-        return self.submit(request).result()
-
-    def stop(self) -> None:
-        """Finish the requests already queued, then end the worker thread."""
-        if not self._stopped:
-            self._stopped = True
-            self._queue.put(None)
-            self._worker.join()
-
-    def _run(self) -> None:
-        while True:
-            batch, stop = self._collect()
-            if batch:
-                self._execute(batch)
-            if stop:
-                return
-
-    def _collect(self) -> tuple[list[tuple[InferRequest, Future]], bool]:
-        first = self._held if self._held is not None else self._queue.get()
-        self._held = None
-        if first is None:
-            return [], True
-        batch, rows = [first], _rows(first[0])
-        deadline = time.monotonic() + self._max_queue_delay_s
-        while rows < self._max_batch_size:
-            try:
-                item = self._queue.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if item is None:
-                return batch, True
-            if rows + _rows(item[0]) > self._max_batch_size:
-                self._held = item
-                break
-            batch.append(item)
-            rows += _rows(item[0])
-        return batch, False
-
-    def _execute(self, batch: list[tuple[InferRequest, Future]]) -> None:
-        try:
-            results = list(self._infer_requests([request for request, _ in batch]))
-            if len(results) != len(batch):
-                raise RuntimeError(f"the model answered {len(results)} results for {len(batch)} requests")
-        except Exception as error:  # a failure of the whole batch goes to every request in it
-            LOGGER.exception("the model failed on a batch of %d requests", len(batch))
-            results = [error] * len(batch)
-        for (_, future), result in zip(batch, results, strict=True):
-            if isinstance(result, BaseException):
-                future.set_exception(result)
-            elif isinstance(result, dict) and "outputs" in result:
-                future.set_result(result)
-            else:
-                future.set_exception(
-                    TypeError(f"the model answered {type(result).__name__}, not an outputs dict")
-                )
 
 
 class DeployPyTriton:
@@ -145,8 +73,11 @@ class DeployPyTriton:
 
     Example:
         nm = DeployPyTriton(model=exporter, triton_model_name="neva", http_port=8000)
-        nm.deploy()   # warm-up request, port checks, binding
+        nm.deploy()   # port checks, warm-up request, binding
         nm.serve()    # blocks; or nm.run() ... nm.stop()
+
+    `run` must be called from a thread that lives as long as the server (the main thread, as a rule): the kernel
+    stops Triton when the thread that started it ends.
     """
 
     def __init__(
@@ -161,7 +92,6 @@ class DeployPyTriton:
         allow_http: bool = True,
         allow_grpc: bool = True,
         streaming: bool = False,
-        max_queue_delay_microseconds: int = 5000,
         metrics_port: int | None = None,
     ):
         for attribute in ("get_triton_input", "get_triton_output", "triton_infer_fn"):
@@ -186,9 +116,14 @@ class DeployPyTriton:
         self.allow_http = allow_http
         self.allow_grpc = allow_grpc
         self.streaming = streaming
-        self.max_queue_delay_microseconds = max_queue_delay_microseconds
-        self.triton = None
-        self._batcher: RequestBatcher | None = None
+        self.metrics: ServerMetrics | None = None
+        self.triton: Triton | None = None
+        self._workspace: Workspace | None = None
+        self._guard: ProcessGuard | None = None
+        self._metrics_server: MetricsServer | None = None
+        self._triton_metrics_port: int | None = None
+        self._running = False
+        self._stopping = False
 
     def deploy(self) -> None:
         """Check ports, run the warm-up request, and bind the model to a (not yet started) Triton server."""
@@ -196,24 +131,22 @@ class DeployPyTriton:
             raise DeployError("deploy() was already called")
         self._check_ports()
         ensure_libpython_on_library_path()
-        self._batcher = RequestBatcher(
-            self._model_infer_requests(), self.max_batch_size, self.max_queue_delay_microseconds / 1e6
-        )
-        try:
-            self._warm_up()
-            self.triton = self._bound_triton()
-        except BaseException:
-            self._batcher.stop()
-            self._batcher = None
-            raise
+        for path in clean_stale_files(PYTRITON_HOME):
+            LOGGER.info("removed %s, left behind by a serving process that is gone", path)
+        self._warm_up()
+        self.metrics = ServerMetrics(getattr(self.model, "pipeline", None))  # after the warm-up: not counted
+        self.triton = self._bound_triton()
 
     def serve(self) -> None:
-        """Start Triton and block until it stops (Ctrl-C or SIGTERM), then clean up."""
+        """Start Triton (unless `run` did) and block until Ctrl-C or SIGTERM, then clean up; DeployError if Triton
+        exits on its own."""
         in_main_thread = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
         try:
             self.run()
-            self.triton.serve()
+            while self.triton.is_alive():
+                time.sleep(_MONITOR_INTERVAL_S)
+            raise DeployError("Triton exited unexpectedly; see its log above")
         except KeyboardInterrupt:
             LOGGER.info("interrupted, stopping")
         finally:
@@ -222,65 +155,86 @@ class DeployPyTriton:
             self.stop()
 
     def run(self) -> None:
-        """Start Triton in the background; returns once the model is loaded and ready."""
-        self._require_deployed()
-        for attempt in range(1, _START_ATTEMPTS + 1):
+        """Start Triton in the background; returns once every model is loaded and its ports are open."""
+        if self.triton is None:
+            raise DeployError("deploy() must be called first")
+        if self._running:
+            return
+        self._guard = ProcessGuard(self._workspace.path)
+        raise_stack_limit_for_triton()
+        try:
             try:
                 self.triton.run()
-                return
             except Exception as error:
-                if _HANDSHAKE_RACE not in str(error) or attempt == _START_ATTEMPTS:
-                    raise
-                LOGGER.warning("a model instance missed PyTriton's start-up handshake; restarting Triton")
-                self.triton.stop()
-                self.triton = self._bound_triton()
+                message = f"Triton did not start ({type(error).__name__}: {error}); see its log above"
+                raise DeployError(message) from error
+            self._metrics_server = MetricsServer(self.metrics, self.address, self.metrics_port,
+                                                 f"http://127.0.0.1:{self._triton_metrics_port}/metrics")
+            self._metrics_server.start()
+        except BaseException:
+            self.stop()
+            raise
+        self._running = True
 
     def stop(self) -> None:
-        """Stop Triton and the model's request worker; safe to call twice."""
+        """Refuse new requests (503), stop Triton and the metrics endpoint, end the guard; safe to call twice."""
+        self._stopping = True
         if self.triton is not None:
             self.triton.stop()
-        if self._batcher is not None:
-            self._batcher.stop()
+            shutil.rmtree(self._workspace.path, ignore_errors=True)  # Triton leaves it when it never ran
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+            self._metrics_server = None
+        if self._guard is not None:
+            self._guard.stop()
+            self._guard = None
+        if self.metrics is not None:
+            self.metrics.close()
+        self._running = False
 
     def _bound_triton(self) -> Triton:
+        self._triton_metrics_port = free_port("127.0.0.1")
         config = TritonConfig(
             allow_http=self.allow_http,
             allow_grpc=self.allow_grpc,
             http_address=self.address,
             grpc_address=self.address,
-            metrics_address=self.address,
+            metrics_address="127.0.0.1",  # read through this server's own metrics endpoint
             http_port=self.http_port,
             grpc_port=self.grpc_port,
-            metrics_port=self.metrics_port,
+            metrics_port=self._triton_metrics_port,
             # Triton stops the instances one after another, each taking about 2 s.
             exit_timeout_secs=30 + 2 * self.max_batch_size,
         )
-        triton = Triton(config=config)
-        triton.bind(
-            model_name=self.triton_model_name,
-            model_version=self.triton_model_version,
-            infer_func=[self._instance_fn(i) for i in range(self.max_batch_size)],
-            inputs=list(self.model.get_triton_input),
-            outputs=list(self.model.get_triton_output),
-            # batcher=None: Triton's default scheduler hands each instance one request (see module doc).
-            config=ModelConfig(batching=True, max_batch_size=self.max_batch_size, batcher=None),
-            strict=False,
-        )
+        self._workspace = Workspace(workspace_path(PYTRITON_HOME))
+        triton = Triton(config=config, workspace=self._workspace, triton_lifecycle_policy=_LOCAL_MODELS)
+        models = [(self.triton_model_name, self._instance_fn, False)]
         if self.streaming:
+            models.append((stream_model_name(self.triton_model_name), self._stream_instance_fn, True))
+        for name, instance_fn, decoupled in models:
             triton.bind(
-                model_name=stream_model_name(self.triton_model_name),
+                model_name=name,
                 model_version=self.triton_model_version,
-                infer_func=[self._stream_instance_fn(i) for i in range(self.max_batch_size)],
+                infer_func=[instance_fn(i) for i in range(self.max_batch_size)],
                 inputs=list(self.model.get_triton_input),
                 outputs=list(self.model.get_triton_output),
-                config=ModelConfig(batching=True, max_batch_size=self.max_batch_size, batcher=None, decoupled=True),
+                # batcher=None: Triton's default scheduler hands each instance one request at a time.
+                config=ModelConfig(batching=True, max_batch_size=self.max_batch_size, batcher=None,
+                                   decoupled=decoupled),
                 strict=False,
             )
+            self._install_backend_model(name)
         return triton
 
-    def _require_deployed(self) -> None:
-        if self.triton is None:
-            raise DeployError("deploy() must be called first")
+    def _install_backend_model(self, name: str) -> None:
+        """Put this package's backend model (clean errors, input byte caps) in front of PyTriton's in Triton's
+        repository."""
+        folder = self._workspace.model_store_path / name / str(self.triton_model_version)
+        (folder / "model.py").rename(folder / "pytriton_model.py")
+        for target, source in _BACKEND_FILES.items():
+            shutil.copyfile(Path(__file__).with_name(source), folder / target)
+        caps = getattr(self.model, "triton_input_byte_caps", dict)()
+        (folder / INPUT_CAPS_FILE).write_text(json.dumps(caps))
 
     def _check_ports(self) -> None:
         ports = []
@@ -297,38 +251,58 @@ class DeployPyTriton:
         else:
             check_port_free(self.address, self.metrics_port, "metrics", "DeployPyTriton(metrics_port=)")
 
-    def _model_infer_requests(self) -> InferRequests:
-        batched = getattr(self.model, "triton_infer_requests", None)
-        if batched is not None:
-            return batched
-        return lambda requests: infer_requests_one_by_one(self.model.triton_infer_fn, requests)
-
     def _warm_up(self) -> None:
         make_request = getattr(self.model, "triton_warmup_request", None)
         request = make_request() if make_request else default_warmup_request(self.model.get_triton_input)
         started = time.monotonic()
         try:
-            self._batcher.infer(request)
+            self.model.triton_infer_fn(**request)
         except Exception as error:
             raise DeployError(
                 f"the warm-up request failed, so the model is not served: {type(error).__name__}: {error}"
             ) from error
         LOGGER.info("warm-up request answered in %.2f s", time.monotonic() - started)
 
+    def _failed(self, kind: str, error: Exception) -> RequestFailed:
+        """The client's failure for a request of `kind` that raised `error`, logged and counted."""
+        failure = client_failure(error, stopping=self._stopping)
+        if failure.status == INTERNAL:
+            LOGGER.error("a %s request failed: %s", kind, failure.message, exc_info=error)
+        else:
+            LOGGER.info("a %s request was refused (%d): %s", kind, failure.status, failure.message)
+        self.metrics.count(kind, failure.status)
+        return failure
+
+    def _refuse_while_stopping(self) -> None:
+        if self._stopping:
+            raise RequestFailed(UNAVAILABLE, "the server is stopping; retry on a running server")
+
     def _instance_fn(self, index: int) -> Callable[[list], list[dict[str, np.ndarray]]]:
         def infer(requests: list) -> list[dict[str, np.ndarray]]:
-            futures = [self._batcher.submit(dict(request.data)) for request in requests]
-            return [future.result() for future in futures]
+            answers = []
+            for request in requests:  # one, under Triton's default scheduler
+                try:
+                    self._refuse_while_stopping()
+                    answers.append(self.model.triton_infer_fn(**request.data))
+                except Exception as error:  # noqa: BLE001 - every failure goes to its client as one line
+                    raise self._failed("infer", error) from None
+                self.metrics.count("infer", 200)
+            return answers
 
         infer.__name__ = f"{self.triton_model_name}_instance_{index}"
         return infer
 
     def _stream_instance_fn(self, index: int) -> Callable[[list], Iterator[list[dict[str, np.ndarray]]]]:
         def stream(requests: list) -> Iterator[list[dict[str, np.ndarray]]]:
-            if len(requests) != 1:  # Triton's default scheduler hands an instance one request at a time
-                raise DeployError(f"a streaming instance got {len(requests)} requests at once; it takes one")
-            for outputs in self.model.triton_stream_request(dict(requests[0].data)):
-                yield [outputs]
+            try:
+                if len(requests) != 1:  # Triton's default scheduler hands an instance one request at a time
+                    raise RequestFailed(BAD_REQUEST, f"a streaming instance got {len(requests)} requests; it takes one")
+                self._refuse_while_stopping()
+                for outputs in self.model.triton_stream_request(dict(requests[0].data)):
+                    yield [outputs]
+            except Exception as error:  # noqa: BLE001 - every failure goes to its client as one line
+                raise self._failed("stream", error) from None
+            self.metrics.count("stream", 200)
 
         stream.__name__ = f"{stream_model_name(self.triton_model_name)}_instance_{index}"
         return stream

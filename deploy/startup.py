@@ -4,6 +4,10 @@
   pyenv or conda Python the loader may pick the system's libpython of another patch release, and the model
   fails to load (`'_thread.RLock' object has no attribute '_recursion_count'`). PyTriton copies `os.environ`
   when it spawns Triton, so putting this interpreter's LIBDIR first on `LD_LIBRARY_PATH` in-process is enough.
+- Triton 2.51 (embedded in PyTriton 0.7.0) copies an HTTP JSON request body onto the stack of the thread that
+  parses it, so a body over half the thread stack size (4 MB under the usual 8 MiB) crashes the whole server
+  (Triton issue #5840). Triton's threads take their stack size from `RLIMIT_STACK` when it starts: raising that
+  limit in-process first lifts the crash to bodies over `TRITON_STACK_BYTES / 2`.
 - Busy ports and a missing model repository are reported before anything starts, naming what to change.
 """
 
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import socket
 import sysconfig
 from collections.abc import Iterable
@@ -19,6 +24,9 @@ from pathlib import Path
 LOGGER = logging.getLogger(__name__)
 
 MANIFEST_NAME = "manifest.json"
+
+TRITON_STACK_BYTES = 256 * 1024 * 1024
+"""The stack size Triton's threads get: HTTP JSON bodies up to half of it parse safely."""
 
 
 class DeployError(RuntimeError):
@@ -54,6 +62,17 @@ def ensure_libpython_on_library_path() -> Path | None:
     entries = [e for e in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if e and e != str(libdir)]
     os.environ["LD_LIBRARY_PATH"] = os.pathsep.join([str(libdir), *entries])
     return libdir
+
+
+def raise_stack_limit_for_triton() -> int:
+    """Raise `RLIMIT_STACK` (soft) to TRITON_STACK_BYTES, within the hard limit, for the processes started next;
+    returns the new soft limit. This process's own threads keep the stack size they were started with."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    wanted = TRITON_STACK_BYTES if hard == resource.RLIM_INFINITY else min(TRITON_STACK_BYTES, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_STACK, (wanted, hard))
+        return wanted
+    return soft
 
 
 def _family(address: str) -> socket.AddressFamily:

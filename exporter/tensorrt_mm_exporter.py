@@ -13,10 +13,11 @@ from typing import Any
 
 import numpy as np
 
-from deploy.triton_deployable import (
+from wire import (
     InferRequest,
     ITritonDeployable,
     RequestRow,
+    WireLimits,
     default_warmup_request,
     encode_outputs,
     multimodal_triton_inputs,
@@ -215,18 +216,23 @@ class TensorRTMMExporter(ITritonDeployable):
         return request
 
     def triton_infer_fn(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
-        """NeMo's whole-batch entry point: every row answered, the first failure raised."""
-        result = self.triton_infer_requests([inputs])[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
+        """Answer one Triton request (its rows together), as soon as its own rows are done; a failed row raises.
+
+        Called from each Triton instance's thread: concurrent requests share the in-flight scheduler's decode steps.
+        """
+        rows = split_request(inputs, self._wire_limits())
+        results = self._require_pipeline().run([_pipeline_request(row) for row in rows])
+        for result in results:
+            if isinstance(result, Exception):
+                raise result
+        return encode_outputs([result.texts for result in results])  # type: ignore[union-attr]
 
     def triton_stream_request(self, request: InferRequest) -> Iterator[dict[str, np.ndarray]]:
         """Stream the answer of a one-prompt request: each item's ``outputs`` holds the next piece of text.
 
         A bad request raises at the first item; closing the iterator early cancels the generation.
         """
-        rows = split_request(request)
+        rows = split_request(request, self._wire_limits())
         if len(rows) != 1:
             raise ValueError(f"a streamed request holds one prompt, got {len(rows)}; send each prompt on its own")
         pieces = self.stream(_pipeline_request(rows[0]))
@@ -236,41 +242,31 @@ class TensorRTMMExporter(ITritonDeployable):
         finally:
             pieces.close()
 
-    def triton_infer_requests(self, requests: Sequence[InferRequest]) -> list[dict[str, np.ndarray] | Exception]:
-        """Answer all rows of all requests in shared batches; a request fails alone if any of its rows fails."""
-        pipeline = self._require_pipeline()
-        rows_of: list[list[Request] | Exception] = []
-        for request in requests:
-            try:
-                rows_of.append([_pipeline_request(row) for row in split_request(request)])
-            except Exception as error:  # noqa: BLE001 - belongs to this request only
-                rows_of.append(error)
-        flat = [row for rows in rows_of if isinstance(rows, list) for row in rows]
-        answers = iter(pipeline.run(flat))
-        results: list[dict[str, np.ndarray] | Exception] = []
-        for rows in rows_of:
-            if isinstance(rows, Exception):
-                results.append(rows)
-                continue
-            mine = [next(answers) for _ in rows]
-            failure = next((a for a in mine if isinstance(a, Exception)), None)
-            results.append(failure if failure is not None else encode_outputs([a.texts for a in mine]))
-        return results
+    def triton_input_byte_caps(self) -> dict[str, int]:
+        """Per-request byte caps of the inputs, from the engine's limits and the media policy."""
+        return self._wire_limits().input_byte_caps()
+
+    def _wire_limits(self) -> WireLimits:
+        """The caps a Triton request is checked against before anything in it is decoded."""
+        limits = self._require_pipeline().engine.limits
+        policy = self.media_policy or MediaPolicy()
+        return WireLimits.for_engine(
+            max_input_len=limits.max_input_len, max_batch_size=limits.max_batch_size,
+            max_media_items=policy.max_items, max_media_item_bytes=policy.max_bytes,
+            max_image_pixels=policy.max_image_pixels, max_frames=policy.max_video_frames,
+            max_audio_duration_s=policy.max_audio_duration_s)
 
 
 def _pipeline_request(row: RequestRow) -> Request:
-    if row.params.lora_uids:
+    if row.lora_uids:
         raise NotImplementedError("lora_uids are not supported yet")
-    params = SamplingParams(max_output_len=row.params.max_output_len, top_k=row.params.top_k, top_p=row.params.top_p,
-                            temperature=row.params.temperature, repetition_penalty=row.params.repetition_penalty,
-                            num_beams=row.params.num_beams)
     if row.media_bytes is not None:
         media: Any = row.media_bytes[0] if len(row.media_bytes) == 1 else list(row.media_bytes)
     elif row.media is not None:
         media = row.media  # [images or frames, H, W, 3]: the model type decides which
     else:
         media = row.signal
-    return Request(row.text, media, params)
+    return Request(row.text, media, SamplingParams(**row.sampling))
 
 
 def _default_device() -> str:

@@ -23,9 +23,10 @@ from pytriton.client.exceptions import (
 )
 from pytriton.client.utils import TritonUrl
 from pytriton.client.warnings import NotSupportedTimeoutWarning
+from tritonclient.utils import InferenceServerException
 
-from deploy.triton_deployable import MODEL_TYPE_MODALITY, VIDEO_MODEL_TYPES, stream_model_name
 from query import media as media_io
+from wire import MODEL_TYPE_MODALITY, VIDEO_MODEL_TYPES, decode_answer, param_tensors, stream_model_name
 
 DEFAULT_INFERENCE_TIMEOUT_S = 300.0
 
@@ -48,11 +49,13 @@ _WRAPPER_ERRORS = {"TritonModelException", "InferenceServerException"}
 
 
 class QueryError(RuntimeError):
-    """The server refused or failed a request; `server_message` holds Triton's full text."""
+    """The server refused or failed a request; `server_message` holds Triton's text and `status` its status
+    (an HTTP code such as "400", or a gRPC code such as "StatusCode.INVALID_ARGUMENT"), when the server answered."""
 
-    def __init__(self, message: str, server_message: str = ""):
+    def __init__(self, message: str, server_message: str = "", status: str | None = None):
         super().__init__(message)
         self.server_message = server_message
+        self.status = status
 
 
 def server_error_summary(message: str) -> str:
@@ -138,9 +141,11 @@ class NemoQueryMultimodal:
             raise ValueError(
                 f"got {len(texts)} prompts but {len(media_rows)} media; give one media or one each"
             )
-        params = _param_inputs(
-            batch_size, max_output_len, top_k, num_beams, top_p, temperature, repetition_penalty, lora_uids
-        )
+        params = param_tensors({
+            "batch_size": batch_size, "max_output_len": max_output_len, "top_k": top_k, "num_beams": num_beams,
+            "top_p": top_p, "temperature": temperature, "repetition_penalty": repetition_penalty,
+            "lora_uids": lora_uids,
+        })
         rows = [
             {"input_text": np.array([text.encode("utf-8")], dtype=np.bytes_), **media_row, **params}
             for text, media_row in zip(texts, media_rows, strict=True)
@@ -152,7 +157,7 @@ class NemoQueryMultimodal:
                 outputs = self._infer(client, _stack([rows[i] for i in indices]), inference_timeout)
                 for index, output in zip(indices, outputs, strict=True):
                     answers[index] = output
-        return np.array([[_decode(answer) for answer in row] for row in answers])
+        return np.array([[decode_answer(answer) for answer in row] for row in answers])
 
     def query_stream(
         self,
@@ -176,7 +181,10 @@ class NemoQueryMultimodal:
         """
         if not isinstance(input_text, str):
             raise TypeError("query_stream answers one prompt: input_text must be a str (use query for several)")
-        params = _param_inputs(None, max_output_len, top_k, None, top_p, temperature, repetition_penalty, lora_uids)
+        params = param_tensors({
+            "max_output_len": max_output_len, "top_k": top_k, "top_p": top_p, "temperature": temperature,
+            "repetition_penalty": repetition_penalty, "lora_uids": lora_uids,
+        })
         row = {"input_text": np.array([input_text.encode("utf-8")], dtype=np.bytes_)}
         row.update(self._media_inputs(input_media), **params)
         url = TritonUrl.from_url(self.url)
@@ -259,6 +267,11 @@ class NemoQueryMultimodal:
 def _query_error(error: PyTritonClientError, inference_timeout: float) -> QueryError:
     """A failed Triton call as a QueryError: the server's own message, a timeout, or the client's failure."""
     if isinstance(error, PyTritonClientInferenceServerError):
+        server = error.__cause__  # Triton's own error, which PyTriton's client wraps
+        if isinstance(server, InferenceServerException):
+            message = server.message()
+            return QueryError(f"the server failed the request: {server_error_summary(message)}", message,
+                              server.status())
         return QueryError(f"the server failed the request: {server_error_summary(error.message)}", error.message)
     if isinstance(error, PyTritonClientTimeoutError):
         return QueryError(f"no answer within {inference_timeout} s (inference_timeout)", error.message)
@@ -274,7 +287,7 @@ def _grpc_stream(
     try:
         responses = client.infer_sample(**row)
         for result in responses:
-            yield _decode(result["outputs"][0])
+            yield decode_answer(result["outputs"][0])
         finished = True
     except PyTritonClientError as error:
         raise _query_error(error, inference_timeout) from None
@@ -296,7 +309,8 @@ def _http_stream(url: str, model_name: str, body: dict[str, object], inference_t
         response = urllib.request.urlopen(request, timeout=inference_timeout)
     except urllib.error.HTTPError as error:  # failed before the first piece: the body holds the error
         message = _sse_error(error.read()) or f"HTTP {error.code} {error.reason}"
-        raise QueryError(f"the server failed the request: {server_error_summary(message)}", message) from None
+        raise QueryError(f"the server failed the request: {server_error_summary(message)}", message,
+                         str(error.code)) from None
     except (urllib.error.URLError, TimeoutError) as error:
         raise QueryError(f"the query failed: {error}", str(error)) from None
     with response:
@@ -344,26 +358,6 @@ def _sse_error(body: bytes) -> str | None:
         return text or None
 
 
-def _param_inputs(
-    batch_size, max_output_len, top_k, num_beams, top_p, temperature, repetition_penalty, lora_uids
-) -> dict[str, np.ndarray]:
-    """One row's generation-parameter tensors; None leaves a parameter to the model's default."""
-    ints = {
-        "batch_size": batch_size,
-        "max_output_len": max_output_len,
-        "top_k": top_k,
-        "num_beams": num_beams,
-    }
-    floats = {"top_p": top_p, "temperature": temperature, "repetition_penalty": repetition_penalty}
-    params = {name: np.array([value], dtype=np.int_) for name, value in ints.items() if value is not None}
-    params.update(
-        {name: np.array([value], dtype=np.float32) for name, value in floats.items() if value is not None}
-    )
-    if lora_uids:
-        params["lora_uids"] = np.array([uid.encode("utf-8") for uid in lora_uids], dtype=np.bytes_)
-    return params
-
-
 def _row_key(row: dict[str, np.ndarray]) -> tuple:
     """Rows with equal keys share a request; raw pixels must also share their shape (signals get padded)."""
     return tuple(
@@ -389,7 +383,3 @@ def _stack(rows: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
             values = [np.pad(v, (0, width - len(v))) for v in values]
         stacked[name] = np.stack(values)
     return stacked
-
-
-def _decode(answer: object) -> str:
-    return (answer if isinstance(answer, bytes) else bytes(answer)).decode("utf-8", errors="replace")

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from deploy import DeployPyTriton
 from deploy.startup import DeployError, check_model_repository, check_port_free
-from deploy.triton_deployable import MODEL_TYPE_MODALITY, modality_of, stream_model_name
+from wire import MODEL_TYPE_MODALITY, modality_of, stream_model_name
 
 LOGGER = logging.getLogger("deploy_triton")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -74,6 +74,8 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     ("-lcp", "--lora_checkpoint_path", str, None, None, "directory of the LoRA checkpoint"),
     ("-mlr", "--max_lora_rank", int, None, 64, "max LoRA rank"),
     (None, "--grpc_port", int, None, 8001, "gRPC port of the Triton server"),
+    (None, "--metrics_port", int, None, None,
+     "port of the Prometheus metrics (this server's and Triton's; default: --triton_port + 2, or a free port)"),
     (
         None,
         "--device",
@@ -337,13 +339,17 @@ def media_policy(settings: argparse.Namespace):
     )
 
 
-def start_openai_server(settings: argparse.Namespace, exporter):
-    """The OpenAI-compatible API over `exporter`, listening (None without --openai_port)."""
+def start_openai_server(settings: argparse.Namespace, deployer: DeployPyTriton):
+    """The OpenAI-compatible API over the deployed model, listening (None without --openai_port); its requests
+    are counted in the server's metrics."""
     if settings.openai_port is None:
         return None
+    from deploy.metrics import CountRequests
     from deploy.openai import OpenAIServer, create_app
 
-    app = create_app(exporter, settings.triton_model_name, media_policy(settings), settings.openai_max_request_bytes)
+    app = create_app(deployer.model, settings.triton_model_name, media_policy(settings),
+                     settings.openai_max_request_bytes)
+    app.add_middleware(CountRequests, metrics=deployer.metrics, kind="openai", prefix="/v1/chat/completions")
     server = OpenAIServer(app, host=settings.openai_address or settings.triton_http_address, port=settings.openai_port)
     server.start()
     return server
@@ -377,10 +383,12 @@ def main(argv: list[str] | None = None) -> int:
             grpc_port=settings.grpc_port,
             address=address,
             streaming=settings.streaming,
+            metrics_port=settings.metrics_port,
         )
         deployer.deploy()
         try:
-            openai_server = start_openai_server(settings, deployer.model)
+            deployer.run()  # Triton is up: the OpenAI front says ready only now
+            openai_server = start_openai_server(settings, deployer)
         except (DeployError, ValueError):
             deployer.stop()
             raise
@@ -397,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         deployer.serve()
+    except DeployError as error:
+        print(f"deploy_triton.py: error: {error}", file=sys.stderr)
+        return 1
     finally:
         if openai_server is not None:
             openai_server.stop()

@@ -10,7 +10,7 @@ from pathlib import Path
 # This script shares its name with the `query` package: keep its own folder off the import path.
 sys.path = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
-from deploy.triton_deployable import MODEL_TYPE_MODALITY  # noqa: E402
+from wire import MODEL_TYPE_MODALITY  # noqa: E402
 from query import MediaError, NemoQueryMultimodal, QueryError  # noqa: E402
 from query.media import DEFAULT_TIMEOUT_S  # noqa: E402
 from query.query_multimodal import DEFAULT_INFERENCE_TIMEOUT_S  # noqa: E402

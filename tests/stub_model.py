@@ -1,18 +1,19 @@
 """A deterministic stand-in for the exported model, to test the serving layer without weights.
 
 Each row is answered with its prompt, a digest of its media and its generation parameters, so a test can tell
-every request's answer apart. Bad input raises ValueError, as the real model does.
+every request's answer apart. Bad input raises ValueError, as the real model does; a prompt starting with
+"crash" raises RuntimeError (a server fault).
 """
 
 from __future__ import annotations
 
 import io
+import threading
 import time
-from collections.abc import Sequence
 
 import numpy as np
 
-from deploy.triton_deployable import (
+from wire import (
     ITritonDeployable,
     RequestRow,
     encode_outputs,
@@ -20,6 +21,9 @@ from deploy.triton_deployable import (
     multimodal_triton_outputs,
     split_request,
 )
+
+DEFAULTS = {"max_output_len": 30, "top_k": 1, "top_p": 0.0, "temperature": 1.0, "repetition_penalty": 1.0,
+            "num_beams": 1}
 
 
 def describe_pixels(pixels: np.ndarray) -> str:
@@ -32,19 +36,23 @@ def describe_pixels(pixels: np.ndarray) -> str:
 
 def expected_answer(text: str, media: str, beam: int = 0, **params: float) -> str:
     """The answer the stub gives: prompt, media digest, parameters (defaults filled), beam index."""
-    full = {"max_output_len": 30, "top_k": 1, "top_p": 0.0, "temperature": 1.0, "repetition_penalty": 1.0}
+    full = {name: value for name, value in DEFAULTS.items() if name != "num_beams"}
     full.update(params)
     shown = "|".join(f"{name}={full[name]:g}" for name in sorted(full))
     return f"{text}|{media}|{shown}|beam={beam}"
 
 
 class StubMultimodalModel(ITritonDeployable):
-    """Answers deterministically; `batches` records the prompts of every batch the server handed over."""
+    """Answers deterministically after `delay_s`; `prompts` records every call's prompts, `concurrent_peak` the
+    most calls that ran at once."""
 
     def __init__(self, model_dir=None, load_model=True, modality: str = "vision", delay_s: float = 0.0, **_):
         self.modality = modality
         self.delay_s = delay_s
-        self.batches: list[list[str]] = []
+        self.prompts: list[list[str]] = []
+        self.concurrent_peak = 0
+        self._running = 0
+        self._lock = threading.Lock()
 
     @property
     def get_triton_input(self):
@@ -55,28 +63,28 @@ class StubMultimodalModel(ITritonDeployable):
         return multimodal_triton_outputs()
 
     def triton_infer_fn(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
-        return encode_outputs([self._answer_row(row) for row in split_request(inputs)])
-
-    def triton_infer_requests(self, requests: Sequence[dict[str, np.ndarray]]):
-        self.batches.append([_prompt(request) for request in requests])
-        time.sleep(self.delay_s)
-        results: list = []
-        for request in requests:
-            try:
-                results.append(self.triton_infer_fn(**request))
-            except Exception as error:  # noqa: BLE001 - each request fails alone
-                results.append(error)
-        return results
+        rows = split_request(inputs)
+        with self._lock:
+            self.prompts.append([row.text for row in rows])
+            self._running += 1
+            self.concurrent_peak = max(self.concurrent_peak, self._running)
+        try:
+            time.sleep(self.delay_s)
+            return encode_outputs([self._answer_row(row) for row in rows])
+        finally:
+            with self._lock:
+                self._running -= 1
 
     def _answer_row(self, row: RequestRow) -> list[str]:
-        params = row.params
-        if params.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {params.temperature}")
+        if row.text.startswith("crash"):
+            raise RuntimeError("the stub crashed in /opt/stub/model.py")
+        params = {**DEFAULTS, **row.sampling}
+        if params["temperature"] <= 0:
+            raise ValueError(f"temperature must be > 0, got {params['temperature']}")
         media = self._describe_media(row)
-        names = ("max_output_len", "top_k", "top_p", "temperature", "repetition_penalty")
-        values = {name: getattr(params, name) for name in names}
-        lora = f"|lora={','.join(params.lora_uids)}" if params.lora_uids else ""
-        return [expected_answer(row.text, media, beam, **values) + lora for beam in range(params.num_beams)]
+        beams = params.pop("num_beams")
+        lora = f"|lora={','.join(row.lora_uids)}" if row.lora_uids else ""
+        return [expected_answer(row.text, media, beam, **params) + lora for beam in range(beams)]
 
     def _describe_media(self, row: RequestRow) -> str:
         if row.media is not None:
@@ -100,8 +108,3 @@ class StubMultimodalModel(ITritonDeployable):
         except (OSError, ValueError) as error:
             raise ValueError(f"input_media_bytes is not a decodable image ({type(error).__name__})") from None
         return describe_pixels(np.asarray(image))
-
-
-def _prompt(request: dict[str, np.ndarray]) -> str:
-    texts = request.get("input_text")
-    return "" if texts is None else bytes(texts.reshape(-1)[0]).decode("utf-8", errors="replace")

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -20,19 +22,19 @@ from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
 from conftest import stop_server, wait_until_ready
-from deploy import DeployError, DeployPyTriton, PortInUseError, RequestBatcher
+from deploy import DeployError, DeployPyTriton, PortInUseError
 from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
+from serving_support import assert_short_error, grpc_infer, http_infer, json_tensor, poll_ready
 from stub_model import StubMultimodalModel, describe_pixels, expected_answer
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "stub"
-BATCH_WINDOW_US = 300_000  # wide enough that concurrent requests share a batch on a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
 def server():
-    model = StubMultimodalModel(delay_s=0.05)
+    model = StubMultimodalModel(delay_s=0.2)
     http_port, grpc_port = free_port(), free_port()
     deployer = DeployPyTriton(
         model,
@@ -41,7 +43,6 @@ def server():
         http_port=http_port,
         grpc_port=grpc_port,
         address="127.0.0.1",
-        max_queue_delay_microseconds=BATCH_WINDOW_US,
     )
     deployer.deploy()
     try:
@@ -83,18 +84,14 @@ def _query_concurrently(server, jobs) -> list:
         return list(pool.map(run, range(len(jobs)), timeout=60))
 
 
-def _batch_of(model: StubMultimodalModel, prompt: str) -> list[str]:
-    return next(batch for batch in model.batches if prompt in batch)
-
-
 def test_model_is_warmed_up_and_configured(server):
     model, http_url, _, _ = server
-    assert model.batches[0] == ["Describe this."]  # the warm-up ran before Triton loaded the model
+    assert model.prompts[0] == ["Describe this."]  # the warm-up ran before Triton loaded the model
     with urllib.request.urlopen(f"http://{http_url}/v2/models/{MODEL}/config", timeout=10) as response:
         config = json.load(response)
     assert config["max_batch_size"] == 8
     assert sum(group["count"] for group in config["instance_group"]) == 8
-    assert "dynamic_batching" not in config  # each instance takes one request; batching happens in-process
+    assert "dynamic_batching" not in config  # each instance takes one request and answers it on its own
     inputs = {tensor["name"]: tensor for tensor in config["input"]}
     assert inputs["input_media_bytes"]["optional"] and inputs["input_media"]["dims"] == [-1, -1, -1, 3]
 
@@ -110,13 +107,10 @@ def test_concurrent_requests_each_get_their_own_answer(server):
             expected_answer(f"prompt-{k}", describe_pixels(_image(k)), b, **params) for b in range(beams)
         ]
         assert answer.tolist() == [expected]
-    assert max(len(_batch_of(model, f"prompt-{k}")) for k in range(8)) > 1, (
-        "no requests were batched together"
-    )
+    assert model.concurrent_peak > 1, "the requests were answered one after another"
 
 
-def test_bad_request_fails_alone_inside_a_batch(server):
-    model = server[0]
+def test_bad_request_fails_alone_among_concurrent_ones(server):
     jobs = [(f"batch-{k}", _image(k), {"temperature": 0.0 if k == 3 else 1.0}) for k in range(8)]
     answers = _query_concurrently(server, jobs)
     assert isinstance(answers[3], QueryError)
@@ -124,7 +118,6 @@ def test_bad_request_fails_alone_inside_a_batch(server):
     for k, answer in enumerate(answers):
         if k != 3:
             assert answer.tolist() == [[expected_answer(f"batch-{k}", describe_pixels(_image(k)))]]
-    assert len(_batch_of(model, "batch-3")) > 1, "the bad request was not batched with others"
 
 
 def test_undecodable_media_fails_over_grpc_and_server_keeps_serving(server):
@@ -158,8 +151,87 @@ def test_http_error_status_for_a_failed_request(server):
     )
     with pytest.raises(urllib.error.HTTPError) as failure:
         urllib.request.urlopen(request, timeout=30)
-    assert failure.value.code == 500  # Triton reports a model's exception as an internal error
-    assert "temperature must be > 0, got -1.0" in json.loads(failure.value.read())["error"]
+    assert failure.value.code == 400
+    assert json.loads(failure.value.read()) == {"error": "ValueError: temperature must be > 0, got -1.0"}
+
+
+TEXT = np.array([[b"hi"]], dtype=object)
+ERROR_CASES = {  # inputs, HTTP status, gRPC code, message (None: Triton's own words, checked for shortness only)
+    "bad parameter": ({"input_text": TEXT, "temperature": np.array([[0.0]], np.float32)}, 400, "INVALID_ARGUMENT",
+                      "ValueError: temperature must be > 0, got 0.0"),
+    "model fault": ({"input_text": np.array([[b"crash now"]], dtype=object)}, 500, "INTERNAL",
+                    "internal server error: RuntimeError: the stub crashed in <path>"),
+    "zero-size media": ({"input_text": TEXT, "input_media": np.zeros((1, 1, 0, 0, 3), np.uint8)}, 400,
+                        "INVALID_ARGUMENT",
+                        "input input_media is empty (shape [1, 1, 0, 0, 3]); send a value or leave it out"),
+    "empty media bytes": ({"input_text": TEXT, "input_media_bytes": np.array([[b""]], dtype=object)}, 400,
+                          "INVALID_ARGUMENT", "WireError: input_media_bytes of row 0 is empty; send an encoded media file"),
+    "undecodable image": ({"input_text": TEXT, "input_media_bytes": np.array([[b"\x89PNG broken"]], dtype=object)},
+                          400, "INVALID_ARGUMENT",
+                          "ValueError: input_media_bytes is not a decodable image (UnidentifiedImageError)"),
+    "invalid UTF-8": ({"input_text": np.array([[b"\xff\xfe"]], dtype=object)}, None, "INVALID_ARGUMENT",
+                      "WireError: input_text of row 0 is not valid UTF-8 ('utf-8' codec can't decode byte 0xff in "
+                      "position 0: invalid start byte)"),
+    "no prompt": ({"max_output_len": np.array([[3]])}, 400, "INVALID_ARGUMENT", None),
+    "unknown input": ({"input_text": TEXT, "input_nonsense": np.array([[3]])}, 400, "INVALID_ARGUMENT", None),
+}
+
+
+@pytest.mark.parametrize("case", ERROR_CASES)
+def test_errors_are_one_short_line_with_their_status(server, case):
+    """Each failure reaches HTTP and gRPC clients as one line (no traceback, no server paths) with its status."""
+    _, http_url, grpc_url, deployer = server
+    inputs, http_status, grpc_code, message = ERROR_CASES[case]
+    code, grpc_message = grpc_infer(grpc_url, MODEL, inputs)
+    assert code == grpc_code, grpc_message
+    assert_short_error(grpc_message)
+    if message is not None:
+        assert grpc_message == message
+    if http_status is not None:
+        status, body = http_infer(http_url, MODEL, [json_tensor(name, value) for name, value in inputs.items()])
+        assert status == http_status, body
+        assert_short_error(body["error"])
+        if message is not None:
+            assert body["error"] == message
+    assert grpc_infer(grpc_url, MODEL, {"input_text": TEXT})[0] == "OK"  # the server keeps serving
+    assert deployer.triton.is_alive()
+
+
+def test_out_of_range_uint8_json_values_arrive_wrapped(server):
+    """Triton's JSON parser stores 300 in a UINT8 tensor as 300 mod 256 = 44; a negative value is refused."""
+    http_url = server[1]
+    wrapped = {"name": "input_media", "shape": [1, 1, 1, 1, 3], "datatype": "UINT8", "data": [300, 256, 511]}
+    status, body = http_infer(http_url, MODEL, [json_tensor("input_text", TEXT), wrapped])
+    assert status == 200 and body["outputs"][0]["data"][0] == expected_answer("hi", "mean=44,0,255|size=1x1|frames=1")
+    negative = {**wrapped, "data": [-1, 0, 0]}
+    status, body = http_infer(http_url, MODEL, [json_tensor("input_text", TEXT), negative])
+    assert status >= 400
+    assert_short_error(body["error"])
+
+
+def test_metrics_on_the_metrics_port(server):
+    """Requests and errors by kind, and Triton's own metrics, read from the running server's metrics port."""
+    _, http_url, grpc_url, deployer = server
+    before = _metric(deployer, 'nemo_mm_requests_total{kind="infer"}')
+    bad_before = _metric(deployer, 'nemo_mm_request_errors_total{error="bad_request",kind="infer"}')
+    assert grpc_infer(grpc_url, MODEL, {"input_text": TEXT})[0] == "OK"
+    assert grpc_infer(grpc_url, MODEL, ERROR_CASES["bad parameter"][0])[0] == "INVALID_ARGUMENT"
+    text = _metrics_text(deployer)
+    assert _metric(deployer, 'nemo_mm_requests_total{kind="infer"}', text) == before + 2
+    assert _metric(deployer, 'nemo_mm_request_errors_total{error="bad_request",kind="infer"}', text) == bad_before + 1
+    assert 'nv_inference_request_success{model="stub",version="1"}' in text  # Triton's, on the same port
+
+
+def _metrics_text(deployer: DeployPyTriton) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{deployer.metrics_port}/metrics", timeout=10) as response:
+        return response.read().decode()
+
+
+def _metric(deployer: DeployPyTriton, name: str, text: str | None = None) -> float:
+    for line in (text or _metrics_text(deployer)).splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[-1])
+    return 0.0
 
 
 def test_port_in_use_is_reported_before_start():
@@ -200,78 +272,6 @@ def test_streaming_needs_a_model_that_streams():
         DeployPyTriton(StubMultimodalModel(), MODEL, streaming=True)
 
 
-class _FakeTriton:
-    """Stands in for pytriton's Triton; `run` fails with `errors` in turn, then succeeds."""
-
-    created: list = []
-    errors: list[str] = []
-
-    def __init__(self, config):
-        self.config, self.stopped = config, False
-        _FakeTriton.created.append(self)
-
-    def bind(self, **binding):
-        self.binding = binding
-
-    def run(self):
-        if _FakeTriton.errors:
-            raise RuntimeError(_FakeTriton.errors.pop(0))
-
-    def stop(self):
-        self.stopped = True
-
-
-@pytest.mark.parametrize(
-    ("errors", "expected_starts"),
-    [(["load failed: ... in get_config_from_handshake_server ... Connection refused"], 2), (["disk full"], 1)],
-)
-def test_start_retries_only_pytriton_handshake_race(monkeypatch, errors, expected_starts):
-    import deploy.deploy_pytriton as module
-
-    monkeypatch.setattr(module, "Triton", _FakeTriton)
-    monkeypatch.setattr(_FakeTriton, "created", [])
-    monkeypatch.setattr(_FakeTriton, "errors", list(errors))
-    deployer = DeployPyTriton(
-        StubMultimodalModel(), MODEL, max_batch_size=2, http_port=free_port(), grpc_port=free_port()
-    )
-    deployer.deploy()
-    try:
-        if expected_starts == 1:
-            with pytest.raises(RuntimeError, match="disk full"):
-                deployer.run()
-        else:
-            deployer.run()
-    finally:
-        deployer.stop()
-    assert len(_FakeTriton.created) == expected_starts
-    assert all(triton.stopped for triton in _FakeTriton.created)
-    assert len(_FakeTriton.created[-1].binding["infer_func"]) == 2
-    assert _FakeTriton.created[-1].binding["config"].batcher is None
-
-
-def test_request_batcher_batches_by_rows_and_isolates_failures():
-    seen = []
-
-    def infer(requests):
-        seen.append([int(r["input_text"].shape[0]) for r in requests])
-        return [
-            ValueError("bad") if r["input_text"][0, 0] == b"bad" else {"outputs": r["input_text"]}
-            for r in requests
-        ]
-
-    batcher = RequestBatcher(infer, max_batch_size=3, max_queue_delay_s=0.2)
-    try:
-        texts = [[b"a", b"b"], [b"bad"], [b"c"], [b"d"]]
-        futures = [batcher.submit({"input_text": np.array([[t] for t in rows])}) for rows in texts]
-        assert futures[0].result(timeout=10)["outputs"].ravel().tolist() == [b"a", b"b"]
-        with pytest.raises(ValueError, match="bad"):
-            futures[1].result(timeout=10)
-        assert futures[3].result(timeout=10)["outputs"].ravel().tolist() == [b"d"]
-    finally:
-        batcher.stop()
-    assert seen == [[2, 1], [1, 1]]  # never more than 3 rows in a batch
-
-
 def _write_fake_exporter(root: Path) -> None:
     """An `exporter` package whose TensorRTMMExporter is the stub, shadowing the real one for the script."""
     package = root / "exporter"
@@ -288,7 +288,7 @@ def test_scripts_serve_and_query_from_plain_python(tmp_path):
     image = tmp_path / "image.png"
     Image.fromarray(_image(2)).save(image)
     env = {k: v for k, v in os.environ.items() if k not in ("LD_LIBRARY_PATH", "PYTHONPATH")}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO / "tests")])
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO / "tests"), str(REPO)])  # the stub shadows exporter
     http_port, grpc_port = free_port(), free_port()
     command = [
         sys.executable,
@@ -340,6 +340,80 @@ def test_scripts_serve_and_query_from_plain_python(tmp_path):
     finally:
         stop_server(server, 60)
     assert server.returncode == 0
+
+
+def _stub_script_server(tmp_path: Path, http_port: int, grpc_port: int, log: Path) -> subprocess.Popen:
+    """deploy_triton.py serving the stub (shadowing the exporter) with two instances, its output in `log`."""
+    if not (tmp_path / "exporter").exists():
+        _write_fake_exporter(tmp_path)
+        (tmp_path / "repo").mkdir()
+        (tmp_path / "repo" / "manifest.json").write_text("{}")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO / "tests"), str(REPO)])
+    command = [sys.executable, str(REPO / "scripts/deploy_triton.py"), "-tmn", MODEL, "-tmr", str(tmp_path / "repo"),
+               "-trp", str(http_port), "--grpc_port", str(grpc_port), "-tha", "127.0.0.1", "-mbs", "2"]
+    with log.open("w") as out:
+        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def _first_ready_answer(process: subprocess.Popen, http_url: str) -> tuple[int, dict]:
+    """The answer of a request sent the moment /v2/health/ready says 200 (polled every 20 ms)."""
+    poll_ready(process, f"http://{http_url}/v2/health/ready")
+    return http_infer(http_url, MODEL, [json_tensor("input_text", TEXT)])
+
+
+def _workspaces_of(pid: int) -> list[Path]:
+    from pytriton.constants import PYTRITON_HOME
+
+    return list(PYTRITON_HOME.glob(f"nemo-mm-deploy-{pid}-*"))
+
+
+def _processes_running_from(folder: Path) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and os.readlink(entry / "exe").startswith(str(folder)):
+                pids.append(int(entry.name))
+        except OSError:
+            pass
+    return pids
+
+
+def test_ready_means_answering_and_a_restart_after_sigkill_gets_the_same_ports(tmp_path):
+    """The first request after /v2/health/ready says 200 succeeds; after SIGKILL of deploy_triton.py, Triton's
+    processes, shared memory and workspace are gone within seconds and a restart at once serves on the same ports;
+    when Triton itself dies, deploy_triton.py exits with an error."""
+    http_port, grpc_port = free_port(), free_port()
+    http_url = f"127.0.0.1:{http_port}"
+    first = _stub_script_server(tmp_path, http_port, grpc_port, tmp_path / "first.log")
+    second = None
+    try:
+        assert _first_ready_answer(first, http_url) == (200, {
+            "model_name": MODEL, "model_version": "1", "outputs": [
+                {"name": "outputs", "datatype": "BYTES", "shape": [1, 1], "data": [expected_answer("hi", "no-media")]}]})
+        (workspace,) = _workspaces_of(first.pid)
+        assert _processes_running_from(workspace)  # tritonserver and its backend processes
+        first.kill()
+        first.wait(10)
+        second = _stub_script_server(tmp_path, http_port, grpc_port, tmp_path / "second.log")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and (workspace.exists() or _processes_running_from(workspace)):
+            time.sleep(0.1)
+        assert not workspace.exists() and not _processes_running_from(workspace)
+        assert not list(Path("/dev/shm").glob(f"pytrtion{first.pid}-*"))
+        status, body = _first_ready_answer(second, http_url)
+        assert status == 200, (body, (tmp_path / "second.log").read_text()[-3000:])
+        assert grpc_infer(f"grpc://127.0.0.1:{grpc_port}", MODEL, {"input_text": TEXT})[0] == "OK"
+        (workspace,) = _workspaces_of(second.pid)
+        tritonserver = next(pid for pid in _processes_running_from(workspace)
+                            if os.readlink(f"/proc/{pid}/exe").endswith("/bin/tritonserver"))
+        os.kill(tritonserver, signal.SIGKILL)  # Triton dies under the serving process: it exits with an error
+        assert second.wait(60) == 1
+        assert "error: Triton exited unexpectedly" in (tmp_path / "second.log").read_text()
+    finally:
+        for process in (first, second):
+            if process is not None and process.poll() is None:
+                stop_server(process, 60)
 
 
 def test_script_refuses_a_missing_repository(tmp_path, capsys):

@@ -11,16 +11,12 @@ from __future__ import annotations
 import base64
 import io
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import openai
@@ -28,10 +24,11 @@ import pytest
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from conftest import load_demo_builder, stop_server, wait_until_ready
-from deploy.startup import free_port
+from conftest import load_demo_builder
 from query import NemoQueryMultimodal, QueryError
-from test_serve_demo import COLOR_Q, DEMO_NEMO, MODEL, REPO, SHAPE_Q
+from serving_support import ScriptServer as Server
+from serving_support import assert_short_error, demo_script_server
+from test_serve_demo import COLOR_Q, MODEL, SHAPE_Q
 
 CONCURRENT = 64
 PICTURES = 16
@@ -39,35 +36,10 @@ RSS_TOLERANCE = 24 * 1024 * 1024  # allocator slack (a round moves RSS by about 
 TOO_LONG = "tell me " * 300 + SHAPE_Q  # past the demo config's max_input_len=512
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen
-    http: str
-    grpc: str
-    openai: str
-
-    def rss(self) -> int:
-        """Resident memory of the server process (the model, the batcher and the OpenAI front live there)."""
-        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-        raise AssertionError("no VmRSS for the server process")
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-    http_port, grpc_port, openai_port = free_port(), free_port(), free_port()
-    command = [sys.executable, str(REPO / "scripts/deploy_triton.py"), "--config", "demo", "-vc", str(DEMO_NEMO),
-               "-tmr", str(tmp_path_factory.mktemp("repo")), "-trp", str(http_port), "--grpc_port", str(grpc_port),
-               "-mbs", "4", "-mol", "16", "--openai_port", str(openai_port)]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_until_ready(f"127.0.0.1:{http_port}", MODEL, process)
-        yield Server(process, f"127.0.0.1:{http_port}", f"grpc://127.0.0.1:{grpc_port}",
-                     f"http://127.0.0.1:{openai_port}/v1")
-    finally:
-        stop_server(process, 120)
+    with demo_script_server(tmp_path_factory.mktemp("load"), "-mbs", "4", "-mol", "16") as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +150,13 @@ def mixed_jobs() -> list[Job]:
 
 
 def check_invalid(kind: str, result) -> None:
-    """Each invalid request's own error, naming what to change."""
+    """Each invalid request's own error, naming what to change, in one short line."""
+    if isinstance(result, QueryError):
+        assert_short_error(result.server_message)
+    elif isinstance(result, PyTritonClientInferenceServerError):
+        assert_short_error(result.__cause__.message())
+    elif isinstance(result, openai.APIStatusError):
+        assert_short_error(result.message)
     if kind == "triton_bad_media":
         assert isinstance(result, PyTritonClientInferenceServerError) and "image" in str(result).lower(), result
     elif kind == "triton_long":

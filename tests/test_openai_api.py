@@ -35,6 +35,7 @@ from exporter.runtime import Request
 from media_host import MediaHost
 from query import NemoQueryMultimodal
 from salm_fixtures import build_salm, write_clips
+from serving_support import poll_ready
 from test_serve_demo import COLOR_Q, MODEL, REPO, SHAPE_Q
 from test_serve_demo import server as triton_demo  # noqa: F401 - the module's Triton server fixture
 from test_video_serving import TYPES as VIDEO_TYPES
@@ -490,6 +491,7 @@ def test_deploy_script_serves_openai_and_curl_gets_plain_and_streamed_answers(de
     try:
         wait_until_ready(f"127.0.0.1:{http_port}", MODEL, server)
         url = f"http://127.0.0.1:{openai_port}/v1"
+        poll_ready(server, url + "/health/ready")  # the OpenAI front starts once Triton is up
         assert [model.id for model in client(url).models.list()] == [MODEL]
         image = data_url((IMAGES / "green_square.png").read_bytes())
         body = json.dumps({"model": MODEL, "messages": image_message(SHAPE_Q, image), "max_tokens": 8})

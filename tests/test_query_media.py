@@ -187,7 +187,7 @@ def test_server_side_rows_accept_base64_data_urls():
     """JSON clients (curl) send encoded media as base64 data: URLs; the server decodes them to the file bytes."""
     import base64
 
-    from deploy.triton_deployable import split_request
+    from wire import split_request
 
     png = b"\x89PNG\r\n\x1a\n payload"
     request = {

@@ -14,33 +14,22 @@ import pytest
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from conftest import load_demo_builder, stop_server, wait_until_ready
-from deploy import DeployPyTriton
+from conftest import load_demo_builder, stop_server
 from deploy.startup import free_port
-from exporter import TensorRTMMExporter
 from query import NemoQueryMultimodal, QueryError
+from serving_support import assert_short_error, demo_deployed, http_infer, json_tensor, poll_ready
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
 MODEL = "demo"
 SHAPE_Q, COLOR_Q = "What shape is this?", "What color is the shape?"
-BATCH_WINDOW_US = 300_000  # wide enough that concurrent requests share a batch on a busy 2-core machine
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    exporter = TensorRTMMExporter(tmp_path_factory.mktemp("engine"), device="cpu")
-    exporter.export(DEMO_NEMO, model_type="neva", dtype="float32", max_batch_size=8, max_input_len=200,
-                    max_output_len=16, max_multimodal_len=8 * 64, max_beam_width=2)
-    http_port, grpc_port = free_port(), free_port()
-    deployer = DeployPyTriton(exporter, MODEL, max_batch_size=8, http_port=http_port, grpc_port=grpc_port,
-                              address="127.0.0.1", max_queue_delay_microseconds=BATCH_WINDOW_US)
-    deployer.deploy()
-    try:
-        deployer.run()
-        yield f"127.0.0.1:{http_port}", f"grpc://127.0.0.1:{grpc_port}", deployer
-    finally:
-        deployer.stop()
+    with demo_deployed(tmp_path_factory.mktemp("engine"), max_batch_size=8, max_output_len=16,
+                       max_beam_width=2) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +105,10 @@ def test_bad_requests_fail_alone_and_the_server_keeps_serving(server, examples):
     assert isinstance(answers[2], PyTritonClientInferenceServerError) and "image" in str(answers[2]).lower()
     assert isinstance(answers[4], QueryError) and "max_input_len=200" in str(answers[4])
     assert isinstance(answers[6], QueryError) and "top_p" in str(answers[6])
+    assert_short_error(answers[2].__cause__.message())
+    for answer in (answers[4], answers[6]):
+        assert answer.status in ("400", "StatusCode.INVALID_ARGUMENT")
+        assert_short_error(answer.server_message)
     for k, answer in enumerate(answers):
         if k not in bad:
             assert not isinstance(answer, Exception), answer
@@ -126,14 +119,21 @@ def test_bad_requests_fail_alone_and_the_server_keeps_serving(server, examples):
 
 
 def test_deploy_script_exports_serves_and_query_script_answers(tmp_path):
-    """NeMo's CLI semantics: a checkpoint is exported into the repository, then served; query.py prints."""
+    """NeMo's CLI semantics: a checkpoint is exported into the repository, then served; query.py prints. The
+    OpenAI front says ready only once Triton answers too."""
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-    http_port, grpc_port = free_port(), free_port()
+    http_port, grpc_port, openai_port = free_port(), free_port(), free_port()
     deploy = [sys.executable, str(REPO / "scripts/deploy_triton.py"), "--config", "demo", "-vc", str(DEMO_NEMO),
-              "-tmr", str(tmp_path / "repo"), "-trp", str(http_port), "--grpc_port", str(grpc_port), "-mbs", "2"]
+              "-tmr", str(tmp_path / "repo"), "-trp", str(http_port), "--grpc_port", str(grpc_port), "-mbs", "2",
+              "--openai_port", str(openai_port)]
     server = subprocess.Popen(deploy, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until_ready(f"127.0.0.1:{http_port}", MODEL, server)
+        poll_ready(server, f"http://127.0.0.1:{openai_port}/v1/health/ready")
+        png = (REPO / "demo/images/red_circle.png").read_bytes()
+        status, answer = http_infer(f"127.0.0.1:{http_port}", MODEL, [
+            json_tensor("input_text", np.array([[COLOR_Q.encode()]], dtype=object)),
+            json_tensor("input_media_bytes", np.array([[png]], dtype=object))])
+        assert (status, answer["outputs"][0]["data"]) == (200, ["red"])
         assert (tmp_path / "repo" / "manifest.json").is_file()
         for image, question, expected in (("green_square", SHAPE_Q, "square"), ("yellow_circle", COLOR_Q, "yellow")):
             query = [sys.executable, str(REPO / "scripts/query.py"), "-u", f"127.0.0.1:{http_port}", "-mn", MODEL,

@@ -21,8 +21,8 @@ from pytriton.client.exceptions import PyTritonClientInferenceServerError
 from conftest import load_demo_builder, stop_server, wait_until_ready
 from deploy import DeployPyTriton
 from deploy.startup import free_port
-from exporter import TensorRTMMExporter
 from query import NemoQueryMultimodal, QueryError
+from serving_support import assert_short_error, demo_deployed
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
@@ -38,18 +38,9 @@ PROTOCOLS = ("http", "grpc")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    exporter = TensorRTMMExporter(tmp_path_factory.mktemp("engine"), device="cpu")
-    exporter.export(DEMO_NEMO, model_type="neva", dtype="float32", max_batch_size=4, max_input_len=200,
-                    max_output_len=MAX_OUTPUT_LEN, max_multimodal_len=4 * 64)
-    http_port, grpc_port = free_port(), free_port()
-    deployer = DeployPyTriton(exporter, MODEL, max_batch_size=4, http_port=http_port, grpc_port=grpc_port,
-                              address="127.0.0.1", streaming=True)
-    deployer.deploy()
-    try:
-        deployer.run()
-        yield {"http": f"127.0.0.1:{http_port}", "grpc": f"grpc://127.0.0.1:{grpc_port}", "deployer": deployer}
-    finally:
-        deployer.stop()
+    with demo_deployed(tmp_path_factory.mktemp("engine"), max_batch_size=4, max_output_len=MAX_OUTPUT_LEN,
+                       streaming=True) as (http, grpc, deployer):
+        yield {"http": http, "grpc": grpc, "deployer": deployer}
 
 
 @pytest.fixture(scope="module")
@@ -122,14 +113,19 @@ def test_decoupled_client_and_generate_stream_wire_format(server):
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 def test_bad_requests_get_errors_not_text(server, examples, protocol):
+    """Each bad request ends its stream with one short line (no traceback, no server paths); over HTTP with status
+    400 (a gRPC stream carries its errors in-band, as text without a code)."""
     image = examples[0][0]
+    status = {"http": "400", "grpc": None}[protocol]
     with _client(server, protocol) as client:
-        with pytest.raises(QueryError, match="top_p"):
-            list(client.query_stream(SHAPE_Q, image, top_p=2.0))
-        with pytest.raises(QueryError, match=f"max_output_len={MAX_OUTPUT_LEN}"):
-            list(client.query_stream(SHAPE_Q, image, max_output_len=MAX_OUTPUT_LEN + 1))
-        with pytest.raises(QueryError, match="max_input_len=200"):
-            list(client.query_stream("tell me " * 300 + SHAPE_Q, image, max_output_len=4))
+        for params, message in (({"top_p": 2.0}, "top_p"),
+                                ({"max_output_len": MAX_OUTPUT_LEN + 1}, f"max_output_len={MAX_OUTPUT_LEN}"),
+                                ({"max_output_len": 4, "prompt": "tell me " * 300 + SHAPE_Q}, "max_input_len=200")):
+            prompt = params.pop("prompt", SHAPE_Q)
+            with pytest.raises(QueryError, match=message) as failure:
+                list(client.query_stream(prompt, image, **params))
+            assert failure.value.status == status
+            assert_short_error(failure.value.server_message)
         assert "".join(client.query_stream(SHAPE_Q, image, max_output_len=4)) == examples[0][1]
 
 
@@ -148,7 +144,9 @@ def test_raw_bad_requests_get_triton_errors(server, examples):
                            f"http://{server['http']}/v2/models/demo_stream/generate_stream", "-d", json.dumps(body)],
                           capture_output=True, text=True, timeout=60, check=True)
     event, status = done.stdout.strip().rsplit("\n", 1)
-    assert status == "400" and "image" in json.loads(event.removeprefix("data:"))["error"].lower()
+    message = json.loads(event.removeprefix("data:"))["error"]
+    assert status == "400" and "image" in message.lower()
+    assert_short_error(message)
     with pytest.raises(ValueError, match="gRPC"):
         NemoQueryMultimodal(server["http"], MODEL, "neva", raw_pixels=True).query_stream(SHAPE_Q, examples[0][0])
     with pytest.raises(QueryError, match="nonexistent_stream"):

@@ -58,7 +58,7 @@ def test_client_sends_several_images_encoded(vila, tmp_path: Path):
     """The Triton rows carry several encoded images for one prompt (input_media_bytes), as the client sends them."""
     import numpy as np
 
-    from deploy.triton_deployable import split_request
+    from wire import split_request
     from query.media import image_bytes
 
     vlm, exporter = vila
@@ -67,6 +67,6 @@ def test_client_sends_several_images_encoded(vila, tmp_path: Path):
                "input_media_bytes": np.array([[image_bytes(image) for image in images]], dtype=object),
                "max_output_len": np.array([[STEPS]])}
     assert len(split_request(request)[0].media_bytes) == 2
-    (answer,) = exporter.triton_infer_requests([request])
+    answer = exporter.triton_infer_fn(**request)
     expected = reference_tokens(vlm, TWO_IMAGES, images, STEPS, prompt=VERBATIM_V1)
     assert answer["outputs"].tolist() == [[_text(exporter, expected).encode()]]

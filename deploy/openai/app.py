@@ -127,6 +127,7 @@ class _BodyLimit:
                              code="request_too_large")
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _drain(receive, int(declared))
             return await too_large.response()(scope, receive, send)
         chunks, size, more = [], 0, True
         while more:
@@ -135,11 +136,28 @@ class _BodyLimit:
                 return await self.app(scope, _replay([message]), send)
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await too_large.response()(scope, receive, send)
             more = message.get("more_body", False)
+            if size > self.max_bytes:
+                if more:
+                    await _drain(receive, size)
+                return await too_large.response()(scope, receive, send)
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         return await self.app(scope, _replay([body], receive), send)
+
+
+#: A refused body is read to its end (so the client, still sending, reads the 413 instead of a reset connection)
+#: up to this many bytes; a longer one is answered at once.
+DRAIN_LIMIT_BYTES = 64 << 20
+
+
+async def _drain(receive, declared: int) -> None:
+    """Read and drop the rest of a refused request body, up to `DRAIN_LIMIT_BYTES` in all."""
+    read = 0
+    while declared <= DRAIN_LIMIT_BYTES and read <= DRAIN_LIMIT_BYTES:
+        message = await receive()
+        read += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 def _replay(messages: list[dict], then=None):

@@ -1,0 +1,530 @@
+"""The real server under load: `scripts/deploy_triton.py` driven from client processes over Triton HTTP, gRPC
+streaming and the OpenAI front, against the in-process scheduler measured in the same run.
+
+Closed loop at each concurrency (each client sends its next request when the last one is answered) and open loop
+(Poisson arrivals at `--rate` requests/s), with a seeded mix of images, prompt lengths and output lengths. Output
+tok/s counts the tokens the server generated during a phase (its metrics); time to first token (TTFT) and time per
+output token (TPOT: the mean gap between a streamed request's pieces after the first) are measured by the
+streaming clients; latency is a whole request's. "scheduler" is the same closed loop run in-process on the same
+engine (`TensorRTMMExporter.generate` from as many threads), before the server starts. Prints a table and writes
+`$OUT/serve_bench.json`.
+
+    python bench/serve_bench.py --demo                        # CPU, the bundled demo model: checks the script
+    python bench/serve_bench.py --llava --engine_dir /tmp/llava_engine    # GPU: a LLaVA-1.5-7B-shaped engine
+                                                              # with random bf16 weights (built once, reused)
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import multiprocessing
+import os
+import queue
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+MODEL = "bench"
+PROTOCOLS = ("triton_http", "grpc_stream", "openai")
+QUESTIONS = ("Describe this image.", "What is in this picture?", "What colors do you see?", "Is there a person?")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a benchmark run serves and sends."""
+
+    max_batch_size: int
+    max_input_len: int
+    max_output_len: int
+    output_lens: tuple[int, ...]
+    filler_words: tuple[int, ...]
+    image_sizes: tuple[int, ...]
+
+
+DEMO = Setting(max_batch_size=8, max_input_len=512, max_output_len=16, output_lens=(2, 4, 8),
+               filler_words=(0, 8, 32), image_sizes=(64, 96, 128))
+LLAVA = Setting(max_batch_size=32, max_input_len=1280, max_output_len=256, output_lens=(32, 64, 128, 256),
+                filler_words=(0, 64, 256), image_sizes=(336, 512, 640, 1024))
+LLAVA_SHAPE = {"vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                              image_size=336, patch_size=14),
+               "llm": dict(vocab_size=32064, hidden_size=4096, ffn_hidden_size=11008, num_layers=32,
+                           num_attention_heads=32)}
+TOKENIZER_WORDS = 32000
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    text: str
+    image: bytes
+    max_output_len: int
+
+
+@dataclass
+class Record:
+    """One request as its client saw it (time.monotonic seconds); `pieces` streamed, or None."""
+
+    start: float
+    end: float
+    first: float | None = None
+    last: float | None = None
+    pieces: int | None = None
+    error: str | None = None
+
+
+# --- requests --------------------------------------------------------------------------------------------------------
+
+def make_requests(setting: Setting, count: int, seed: int, words: list[str]) -> list[BenchRequest]:
+    """A seeded mix of images (smooth random pictures as JPEG), prompt lengths and output lengths."""
+    import numpy as np
+    from PIL import Image
+
+    rng = random.Random(seed)
+    images = []
+    for index, size in enumerate(setting.image_sizes * 2):
+        coarse = np.random.default_rng(seed * 100 + index).integers(0, 256, (8, 8, 3), dtype=np.uint8)
+        buffer = io.BytesIO()
+        Image.fromarray(coarse).resize((size, size), Image.BICUBIC).save(buffer, "JPEG", quality=90)
+        images.append(buffer.getvalue())
+    requests = []
+    for _ in range(count):
+        filler = " ".join(rng.choice(words) for _ in range(rng.choice(setting.filler_words)))
+        text = f"{rng.choice(QUESTIONS)} {filler}".strip()
+        requests.append(BenchRequest(text, rng.choice(images), rng.choice(setting.output_lens)))
+    return requests
+
+
+# --- clients (in their own processes) --------------------------------------------------------------------------------
+
+_local = threading.local()
+
+
+def _send(protocol: str, urls: dict[str, str], request: BenchRequest) -> Record:
+    if protocol == "triton_http" and not hasattr(_local, "client"):  # one client per thread, kept
+        from query import NemoQueryMultimodal
+
+        _local.client = NemoQueryMultimodal(urls["http"], MODEL, "neva")
+    start = time.monotonic()
+    record = Record(start, start)
+    try:
+        if protocol == "triton_http":
+            _local.client.query(request.text, request.image, max_output_len=request.max_output_len,
+                                init_timeout=600, inference_timeout=600)
+        else:
+            pieces = _grpc_stream(urls, request) if protocol == "grpc_stream" else _openai_stream(urls, request)
+            record.pieces = 0
+            for _ in pieces:
+                now = time.monotonic()
+                record.first = record.first or now
+                record.last = now
+                record.pieces += 1
+    except Exception as error:  # noqa: BLE001 - counted, not raised: the run goes on
+        record.error = f"{type(error).__name__}: {error}"[:300]
+    record.end = time.monotonic()
+    return record
+
+
+def _grpc_stream(urls: dict[str, str], request: BenchRequest):
+    from query import NemoQueryMultimodal
+
+    client = NemoQueryMultimodal(urls["grpc"], MODEL, "neva")
+    return client.query_stream(request.text, request.image, max_output_len=request.max_output_len,
+                               init_timeout=600, inference_timeout=600)
+
+
+def _openai_stream(urls: dict[str, str], request: BenchRequest):
+    import base64
+
+    image = "data:image/jpeg;base64," + base64.b64encode(request.image).decode()
+    body = {"model": MODEL, "stream": True, "max_tokens": request.max_output_len, "messages": [{"role": "user",
+            "content": [{"type": "image_url", "image_url": {"url": image}}, {"type": "text", "text": request.text}]}]}
+    post = urllib.request.Request(urls["openai"] + "/chat/completions", data=json.dumps(body).encode(),
+                                  headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(post, timeout=600) as response:
+        for line in response:
+            if not line.startswith(b"data:") or line.strip() == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[len(b"data:"):])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"].get("message"))
+            if any(choice["delta"].get("content") for choice in chunk["choices"]):
+                yield chunk
+
+
+def client_process(protocol: str, urls: dict[str, str], requests: list[BenchRequest], threads: int,
+                   rate: float | None, seed: int, ready, go, results) -> None:
+    """Send `requests`: closed loop over `threads` threads, or at Poisson arrivals of `rate` per second. Each
+    thread first sends one request of its own (its imports and connections), then all wait for `go`."""
+    records: list[Record] = []
+    warmed = threading.Barrier(max(threads, 1) + 1)
+
+    def warm_then_wait() -> None:
+        _send(protocol, urls, requests[0])
+        warmed.wait()
+        go.wait()
+
+    if rate is None:
+        pending: queue.Queue[BenchRequest] = queue.Queue()
+        for request in requests:
+            pending.put(request)
+
+        def loop() -> None:
+            warm_then_wait()
+            while True:
+                try:
+                    request = pending.get_nowait()
+                except queue.Empty:
+                    return
+                records.append(_send(protocol, urls, request))
+
+        workers = [threading.Thread(target=loop) for _ in range(threads)]
+        for worker in workers:
+            worker.start()
+        warmed.wait()
+        ready.wait()
+        for worker in workers:
+            worker.join()
+    else:
+        threading.Thread(target=warm_then_wait).start()
+        warmed.wait()
+        ready.wait()
+        go.wait()
+        rng = random.Random(seed)
+        with ThreadPoolExecutor(max(1, len(requests))) as pool:
+            futures = []
+            for request in requests:
+                time.sleep(rng.expovariate(rate))
+                futures.append(pool.submit(_send, protocol, urls, request))
+            records = [future.result() for future in futures]
+    results.put([asdict(record) for record in records])
+
+
+# --- phases ----------------------------------------------------------------------------------------------------------
+
+def _generated_tokens(urls: dict[str, str]) -> float:
+    with urllib.request.urlopen(urls["metrics"], timeout=30) as response:
+        for line in response.read().decode().splitlines():
+            if line.startswith("nemo_mm_generated_tokens_total "):
+                return float(line.split()[1])
+    raise RuntimeError("the server's metrics have no nemo_mm_generated_tokens_total")
+
+
+def _quantiles(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+
+
+def run_phase(protocol: str, urls: dict[str, str], requests: list[BenchRequest], processes: int,
+              concurrency: int | None = None, rate: float | None = None) -> dict:
+    """One phase over `processes` client processes; its numbers."""
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    count = min(processes, concurrency or processes, len(requests))
+    shares = [requests[i::count] for i in range(count)]
+    threads = [len(range(i, concurrency, count)) for i in range(count)] if concurrency else [0] * count
+    ready, go = context.Barrier(count + 1), context.Event()
+    clients = [context.Process(target=client_process, args=(protocol, urls, share, threads[i],
+                                                              rate / count if rate else None, i, ready, go, results))
+               for i, share in enumerate(shares)]
+    for client in clients:
+        client.start()
+    ready.wait(timeout=600)  # every client process has warmed up
+    tokens_before = _generated_tokens(urls)
+    go.set()
+    records = [Record(**fields) for _ in clients for fields in results.get()]
+    for client in clients:
+        client.join()
+    time.sleep(0.2)  # the server records a request's tokens just after answering it
+    tokens = _generated_tokens(urls) - tokens_before
+    wall = max(r.end for r in records) - min(r.start for r in records)
+    streamed = [r for r in records if r.error is None and r.first is not None]
+    ttft = _quantiles([(r.first - r.start) * 1e3 for r in streamed])
+    tpot = _quantiles([(r.last - r.first) * 1e3 / (r.pieces - 1) for r in streamed if r.pieces > 1])
+    latency = _quantiles([r.end - r.start for r in records if r.error is None])
+    errors = [r.error for r in records if r.error is not None]
+    return {"protocol": protocol, "mode": f"c={concurrency}" if concurrency else f"rate={rate:g}/s",
+            "concurrency": concurrency, "rate": rate, "requests": len(records), "errors": len(errors),
+            "first_errors": errors[:3], "output_tok_s": tokens / wall, "ttft_ms": ttft, "tpot_ms": tpot,
+            "latency_s": latency, "wall_s": wall}
+
+
+# --- the scheduler alone (in-process) --------------------------------------------------------------------------------
+
+def scheduler_only(engine_dir: Path, device: str, requests: list[BenchRequest], concurrencies: list[int]) -> dict:
+    """Output tok/s of the same closed loop in-process: `TensorRTMMExporter.generate` from `c` threads."""
+    import torch
+
+    from exporter import TensorRTMMExporter
+    from exporter.llm.generate import SamplingParams
+    from exporter.runtime import Request
+
+    exporter = TensorRTMMExporter(engine_dir, device=device)
+    exporter.generate([Request(requests[0].text, requests[0].image, SamplingParams(max_output_len=2))])  # warm
+    result = {}
+    for concurrency in concurrencies:
+        share = requests[: _phase_size(concurrency, len(requests))]
+        pending: queue.Queue[BenchRequest] = queue.Queue()
+        for request in share:
+            pending.put(request)
+        tokens = [0] * concurrency
+
+        def loop(index: int) -> None:
+            while True:
+                try:
+                    item = pending.get_nowait()
+                except queue.Empty:
+                    return
+                (completion,) = exporter.generate([Request(item.text, item.image,
+                                                           SamplingParams(max_output_len=item.max_output_len))])
+                if isinstance(completion, Exception):
+                    raise completion
+                tokens[index] += len(completion.token_ids[0])
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(loop, range(concurrency)))
+        result[concurrency] = sum(tokens) / (time.monotonic() - started)
+    exporter.pipeline.close()
+    del exporter
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def _phase_size(concurrency: int, available: int) -> int:
+    return min(available, max(16, 4 * concurrency))
+
+
+# --- engines ---------------------------------------------------------------------------------------------------------
+
+def demo_engine(folder: Path, setting: Setting, device: str) -> Path:
+    from exporter import TensorRTMMExporter
+
+    TensorRTMMExporter(folder, device=device).export(
+        REPO / "demo" / "neva_demo.nemo", model_type="neva", dtype="float32", max_batch_size=setting.max_batch_size,
+        max_input_len=setting.max_input_len, max_output_len=setting.max_output_len,
+        max_multimodal_len=setting.max_batch_size * 64, load_model=False)
+    return folder
+
+
+def llava_engine(folder: Path, setting: Setting, words: list[str]) -> Path:
+    """A Neva `.nemo` of LLaVA-1.5-7B's shape (CLIP-L/336, mlp2x_gelu, Llama-2-7B) with random bf16 weights and a
+    SentencePiece word tokenizer of 32,000 pieces, exported into `folder` (kept: later runs reuse it)."""
+    import torch
+
+    from exporter import TensorRTMMExporter
+    from exporter.nemo_writer import write_nemo
+
+    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+        tokenizer = Path(tmp) / "tokenizer.model"
+        _train_word_tokenizer(tokenizer, words)
+        nemo = Path(tmp) / "llava_shape.nemo"
+        write_nemo(nemo, _llava_config(), _llava_weights(), layout="legacy",
+                   artifacts={"tokenizer.model": str(tokenizer)})
+        TensorRTMMExporter(folder, device="cuda" if torch.cuda.is_available() else "cpu").export(
+            nemo, model_type="neva", dtype="bfloat16", max_batch_size=setting.max_batch_size,
+            max_input_len=setting.max_input_len, max_output_len=setting.max_output_len,
+            max_multimodal_len=setting.max_batch_size * 576, load_model=False)
+    return folder
+
+
+def _train_word_tokenizer(path: Path, words: list[str]) -> None:
+    import sentencepiece as spm
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(" ".join(words[i:i + 20]) for i in range(0, len(words), 20)),
+                                   model_writer=model, vocab_size=TOKENIZER_WORDS, model_type="word", unk_id=0,
+                                   bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, num_threads=8)
+    path.write_bytes(model.getvalue())
+
+
+def _llava_config() -> dict:
+    llm, vision = LLAVA_SHAPE["llm"], LLAVA_SHAPE["vision"]
+    return {"precision": "bf16", "num_layers": llm["num_layers"], "hidden_size": llm["hidden_size"],
+            "ffn_hidden_size": llm["ffn_hidden_size"], "num_attention_heads": llm["num_attention_heads"],
+            "num_query_groups": llm["num_attention_heads"], "kv_channels": None, "normalization": "rmsnorm",
+            "layernorm_epsilon": 1e-5, "activation": "fast-swiglu", "bias": False,
+            "position_embedding_type": "rope", "rotary_percentage": 1.0, "rotary_base": 10000,
+            "share_embeddings_and_output_weights": False, "make_vocab_size_divisible_by": 128,
+            "encoder_seq_length": 4096, "max_position_embeddings": 4096,
+            "tokenizer": {"library": "sentencepiece", "type": None, "model": None, "sentencepiece_legacy": True},
+            "mm_cfg": {"llm": {"from_pretrained": None, "freeze": False, "model_type": "v1"},
+                       "vision_encoder": {"from_pretrained": "bench/clip-l-336", "from_hf": True,
+                                          "model_type": "clip", "patch_dim": vision["patch_size"],
+                                          "crop_size": [vision["image_size"]] * 2, "image_size": vision["image_size"],
+                                          "hidden_size": vision["hidden_size"],
+                                          "num_layers": vision["num_hidden_layers"],
+                                          "num_attention_heads": vision["num_attention_heads"],
+                                          "ffn_hidden_size": vision["intermediate_size"], "hidden_act": "quick_gelu",
+                                          "layernorm_epsilon": 1e-5, "vision_select_layer": -2,
+                                          "vision_select_feature": "patch", "class_token_length": 1,
+                                          "freeze": False},
+                       "mm_mlp_adapter_type": "mlp2x_gelu", "use_im_start_end": False},
+            "data": {"media_type": "image", "image_aspect_ratio": "square", "conv_template": "v1",
+                     "image_token_len": 576}}
+
+
+def _llava_weights() -> dict:
+    """Random canonical weights (docs/architecture.md) drawn on the GPU (if any), in bf16 on the host."""
+    import torch
+    from transformers import CLIPVisionConfig, CLIPVisionModel
+
+    llm, vision = LLAVA_SHAPE["llm"], LLAVA_SHAPE["vision"]
+    hidden, ffn = llm["hidden_size"], llm["ffn_hidden_size"]
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(device).manual_seed(0)
+
+    def rand(*shape, scale=0.02):
+        return (torch.randn(*shape, generator=generator, device=device) * scale).to(torch.bfloat16).cpu()
+
+    weights = {"embedding.word_embeddings.weight": rand(llm["vocab_size"], hidden),
+               "output_layer.weight": rand(llm["vocab_size"], hidden),
+               "decoder.final_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16)}
+    for i in range(llm["num_layers"]):
+        layer = f"decoder.layers.{i}."
+        weights |= {layer + "input_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                    layer + "self_attention.linear_qkv.weight": rand(3 * hidden, hidden),
+                    layer + "self_attention.linear_proj.weight": rand(hidden, hidden),
+                    layer + "pre_mlp_layernorm.weight": torch.ones(hidden, dtype=torch.bfloat16),
+                    layer + "mlp.linear_fc1.weight": rand(2 * ffn, hidden),
+                    layer + "mlp.linear_fc2.weight": rand(hidden, ffn)}
+    torch.manual_seed(0)
+    tower = CLIPVisionModel(CLIPVisionConfig(**vision, hidden_act="quick_gelu")).to(torch.bfloat16)
+    prefix = "embedding.word_embeddings."
+    weights |= {f"{prefix}vision_encoder.vision_model.{name.removeprefix('vision_model.')}": t.detach().contiguous()
+                for name, t in tower.state_dict().items()}
+    projector = f"{prefix}adapter_layer.mm_projector_adapter.mm_projector."
+    weights |= {projector + "0.weight": rand(hidden, vision["hidden_size"]), projector + "0.bias": rand(hidden),
+                projector + "2.weight": rand(hidden, hidden), projector + "2.bias": rand(hidden)}
+    return weights
+
+
+def _words(seed: int) -> list[str]:
+    """TOKENIZER_WORDS distinct made-up words, each twice (the tokenizer's pieces, and the prompts' filler)."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words: set[str] = set()
+    while len(words) < TOKENIZER_WORDS:
+        words.add("".join(rng.choice(letters) for _ in range(rng.randint(3, 9))))
+    ordered = sorted(words)
+    return ordered + ordered
+
+
+# --- the server ------------------------------------------------------------------------------------------------------
+
+def start_server(engine_dir: Path, setting: Setting, device: str, log: Path) -> tuple[subprocess.Popen, dict]:
+    from deploy.startup import free_port
+
+    ports = {name: free_port() for name in ("http", "grpc", "metrics", "openai")}
+    command = [sys.executable, str(REPO / "scripts/deploy_triton.py"), "-tmn", MODEL, "-tmr", str(engine_dir),
+               "-tha", "127.0.0.1", "-trp", str(ports["http"]), "--grpc_port", str(ports["grpc"]),
+               "--metrics_port", str(ports["metrics"]), "--openai_port", str(ports["openai"]),
+               "-mbs", str(setting.max_batch_size), "--streaming", "--device", device]
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    urls = {"http": f"127.0.0.1:{ports['http']}", "grpc": f"grpc://127.0.0.1:{ports['grpc']}",
+            "metrics": f"http://127.0.0.1:{ports['metrics']}/metrics",
+            "openai": f"http://127.0.0.1:{ports['openai']}/v1"}
+    deadline = time.monotonic() + 1200
+    while time.monotonic() < deadline:  # the OpenAI front says ready only once Triton answers too
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited; its log:\n{log.read_text()[-5000:]}")
+        try:
+            with urllib.request.urlopen(urls["openai"] + "/health/ready", timeout=2) as response:
+                if response.status == 200:
+                    return process, urls
+        except OSError:
+            time.sleep(1)
+    process.kill()
+    raise RuntimeError("the server did not become ready in 20 minutes")
+
+
+# --- the table -------------------------------------------------------------------------------------------------------
+
+def report(result: dict) -> str:
+    def pair(values, scale=1.0, digits=1) -> str:
+        if values is None or values[0] is None:
+            return "-"
+        return f"{values[0] * scale:.{digits}f} / {values[1] * scale:.{digits}f}"
+
+    lines = [f"{result['model']} on {result['device']}, max_batch_size {result['max_batch_size']}, "
+             f"{result['client_processes']} client processes",
+             f"{'protocol':12} {'load':>10} {'reqs':>5} {'err':>4} {'out tok/s':>10} {'sched tok/s':>11} "
+             f"{'ratio':>6} {'TTFT p50/p99 ms':>17} {'TPOT p50/p99 ms':>17} {'latency p50/p99 s':>18}"]
+    for phase in result["phases"]:
+        scheduler = result["scheduler_tok_s"].get(str(phase["concurrency"])) if phase["concurrency"] else None
+        ratio = f"{phase['output_tok_s'] / scheduler:.2f}" if scheduler else "-"
+        lines.append(f"{phase['protocol']:12} {phase['mode']:>10} {phase['requests']:5d} {phase['errors']:4d} "
+                     f"{phase['output_tok_s']:10.1f} {(f'{scheduler:.1f}' if scheduler else '-'):>11} {ratio:>6} "
+                     f"{pair(phase['ttft_ms']):>17} {pair(phase['tpot_ms'], digits=2):>17} "
+                     f"{pair(phase['latency_s'], digits=3):>18}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--demo", action="store_true", help="the bundled demo Neva (CPU unless --device cuda)")
+    model.add_argument("--llava", action="store_true", help="a LLaVA-1.5-7B-shaped engine, random bf16 weights (GPU)")
+    parser.add_argument("--engine_dir", type=Path, help="where the engine is built, or reused if it is there")
+    parser.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda with --llava, else cpu")
+    parser.add_argument("--protocols", nargs="+", choices=PROTOCOLS, default=list(PROTOCOLS))
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second (default: none)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help="requests per phase (default: max(16, 4 x concurrency); 64 for --rate)")
+    parser.add_argument("--processes", type=int, default=min(16, os.cpu_count() or 1), help="client processes")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    setting = LLAVA if args.llava else DEMO
+    device = args.device or ("cuda" if args.llava else "cpu")
+    words = _words(args.seed) if args.llava else ["tell", "me", "more", "about", "it", "please"]
+    with tempfile.TemporaryDirectory() as tmp:
+        engine_dir = args.engine_dir or Path(tmp) / "engine"
+        if not (engine_dir / "manifest.json").is_file():
+            engine_dir.parent.mkdir(parents=True, exist_ok=True)
+            llava_engine(engine_dir, setting, words) if args.llava else demo_engine(engine_dir, setting, device)
+        largest = max([*args.concurrency, 1])
+        pool = make_requests(setting, args.requests or max(64, _phase_size(largest, 10**9)), args.seed, words)
+        result = {"model": "LLaVA-1.5-7B shape, random bf16" if args.llava else "demo Neva, float32",
+                  "device": device, "max_batch_size": setting.max_batch_size, "client_processes": args.processes,
+                  "scheduler_tok_s": {str(c): v for c, v in scheduler_only(engine_dir, device, pool,
+                                                                          args.concurrency).items()},
+                  "phases": []}
+        log = Path(os.environ.get("OUT", tmp)) / "serve_bench_server.log"
+        server, urls = start_server(engine_dir, setting, device, log)
+        try:
+            for protocol in args.protocols:
+                for concurrency in args.concurrency:
+                    phase_requests = pool[: args.requests or _phase_size(concurrency, len(pool))]
+                    result["phases"].append(run_phase(protocol, urls, phase_requests, args.processes,
+                                                      concurrency=concurrency))
+                    print(report({**result, "phases": result["phases"][-1:]}).splitlines()[-1], flush=True)
+                if args.rate:
+                    result["phases"].append(run_phase(protocol, urls, pool[: args.requests or 64], args.processes,
+                                                      rate=args.rate))
+        finally:
+            server.terminate()
+            server.wait(120)
+    out = Path(os.environ.get("OUT", "."))
+    (out / "serve_bench.json").write_text(json.dumps(result, indent=1))
+    print(report(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

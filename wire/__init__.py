@@ -1,0 +1,53 @@
+"""The Triton wire format shared by the engine (`exporter`), the server (`deploy`) and the client (`query`).
+
+Tensor specs, a request's rows, the one mapping from parameter tensors to the engine's sampling fields, output
+encoding, and the `ITritonDeployable` contract. numpy only: PyTriton is imported when specs are built.
+"""
+
+from wire.deployable import ITritonDeployable, default_warmup_request
+from wire.params import LORA_UIDS, PARAMS, WireParam, param_tensors, sampling_fields
+from wire.request import (
+    PROMPT_BYTES_PER_TOKEN,
+    InferRequest,
+    RequestRow,
+    WireError,
+    WireLimits,
+    split_request,
+)
+from wire.response import decode_answer, encode_outputs
+from wire.tensors import (
+    MODALITIES,
+    MODEL_TYPE_MODALITY,
+    STREAM_MODEL_SUFFIX,
+    VIDEO_MODEL_TYPES,
+    modality_of,
+    multimodal_triton_inputs,
+    multimodal_triton_outputs,
+    stream_model_name,
+)
+
+__all__ = [
+    "LORA_UIDS",
+    "MODALITIES",
+    "MODEL_TYPE_MODALITY",
+    "PARAMS",
+    "PROMPT_BYTES_PER_TOKEN",
+    "STREAM_MODEL_SUFFIX",
+    "VIDEO_MODEL_TYPES",
+    "ITritonDeployable",
+    "InferRequest",
+    "RequestRow",
+    "WireError",
+    "WireLimits",
+    "WireParam",
+    "decode_answer",
+    "default_warmup_request",
+    "encode_outputs",
+    "modality_of",
+    "multimodal_triton_inputs",
+    "multimodal_triton_outputs",
+    "param_tensors",
+    "sampling_fields",
+    "split_request",
+    "stream_model_name",
+]
