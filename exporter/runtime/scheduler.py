@@ -488,8 +488,10 @@ class Scheduler:
 
     def _plan_chunk(self) -> list[tuple[_Running, Piece]]:
         """The next pieces of the admitted prompts, in admission order, within ``max_num_tokens`` (the attention
-        to earlier positions counted in, ``chunk_cost``) and ``MAX_PIECES``."""
+        to earlier positions counted in, ``chunk_cost``; a piece keeps at least an eighth of it, so that a long
+        prompt moves on) and ``MAX_PIECES``."""
         budget = float(self.max_num_tokens)
+        smallest = max(1, self.max_num_tokens // 8)
         pieces = []
         for request in list(self.prefilling):
             if request.handle.cancelled:
@@ -501,8 +503,8 @@ class Scheduler:
             prompt = request.handle.prompt
             start = request.prefilled
             count = min(len(prompt) - start, int(budget))
-            while count > 1 and chunk_cost(count, start, self.key_equivalent) > budget:
-                count = max(1, int(count * budget / chunk_cost(count, start, self.key_equivalent)))
+            while count > smallest and chunk_cost(count, start, self.key_equivalent) > budget:
+                count = max(smallest, int(count * budget / chunk_cost(count, start, self.key_equivalent)))
             budget -= chunk_cost(count, start, self.key_equivalent)
             pieces.append((request, Piece(prompt[start:start + count], start, request.blocks.tables[0])))
         return pieces
@@ -633,16 +635,19 @@ def chunk_cost(count: int, start: int, key_equivalent: float) -> float:
     return count * (1.0 + (start + count / 2) / key_equivalent)
 
 
+ATTENTION_COST = 2.0  # a chunk's attention runs at about half the rate of its matrix products (an estimate)
+
+
 def attention_key_equivalent(config: DecoderConfig) -> float:
     """How many keys one position attends to for the cost of its matrix products: the multiply-adds of a layer's
-    weights per position over the ``2 x heads x head_dim`` per key (scores and values)."""
+    weights per position over the ``2 x heads x head_dim`` per key (scores and values), at ``ATTENTION_COST``."""
     hidden, heads, groups, dim = config.hidden_size, config.num_attention_heads, config.num_query_groups, \
         config.head_dim
     ffn = config.expert_ffn_hidden_size if config.num_moe_experts else config.ffn_hidden_size
     experts = config.moe_router_topk if config.num_moe_experts else 1
     weights = hidden * (heads + 2 * groups) * dim + heads * dim * hidden \
         + experts * ffn * hidden * (3 if config.gated else 2)
-    return weights / (2 * heads * dim)
+    return weights / (2 * heads * dim * ATTENTION_COST)
 
 
 def _check_kv_dtype(options: KVCacheOptions, device: torch.device) -> None:
