@@ -49,6 +49,27 @@ def make_tiny_gpt_weights(config: dict, vocab: int = 64, seed: int = 0) -> dict[
     return weights
 
 
+def captured_decode_logits(model, ids: torch.Tensor, start: int):
+    """Logits `[B, T - start, V]` of positions `start..T-1` of token rows `ids [B, T]` as the scheduler's steps
+    compute them: `ids[:, :start]` prefilled as prompt pieces into a paged KV cache, then one decode step per
+    further token (captured CUDA graphs on CUDA). Returns the logits and the step (for its graph count)."""
+    from exporter.llm.sampling import TokenChooser
+    from exporter.runtime.cuda_graphs import ForwardStep, Piece
+
+    rows, length = ids.shape
+    block_size = 16
+    width = -(-length // block_size) + 1
+    cache = model.new_paged_kv_cache(1 + rows * width, block_size)
+    tables = torch.arange(1, 1 + rows * width, dtype=torch.int32).view(rows, width)
+    chooser = TokenChooser(rows, model.config.vocab_size, model.device)
+    step = ForwardStep(model, cache, tables.to(model.device), chooser, max_chunk=max(start * rows, 32))
+    ids = ids.to(model.device)
+    step.launch(0, 0, [Piece(model.embed(ids[row, :start]), 0, tables[row].tolist()) for row in range(rows)])
+    logits = [step.launch(rows, t + 1, tokens=ids[:, t].tolist(), positions=[t] * rows)[0].logits.clone()
+              for t in range(start, length)]
+    return torch.stack(logits, 1), step
+
+
 @pytest.fixture
 def tiny_gpt_config() -> dict:
     """A tiny NeMo-1 model config: 4 layers, GQA (8 heads, 4 groups), SwiGLU, RMSNorm, biases."""

@@ -73,7 +73,7 @@ def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, s
     _decode_tuned[(rows, groups, splits)](q, k, v, tables, positions, k_scale, v_scale, partial, lse, *strides,
                                           partial.stride(0), partial.stride(1), partial.stride(2), tables.shape[1],
                                           window or 0, scale, triton.next_power_of_2(rows), SPLITS=splits, **common)
-    _merge_kernel[(rows, heads)](partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
+    _paged_merge_kernel[(rows, heads)](partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
                                  out.stride(0), out.stride(1), SPLITS=splits,
                                  SP=triton.next_power_of_2(splits), D=dim, DP=_padded(dim))
     return out
@@ -116,11 +116,12 @@ if triton is not None:
         return k, v
 
     @triton.jit
-    def _decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
-                       stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_or, stride_oh,
-                       stride_os, max_blocks, window, scale, row_bucket, QPG: tl.constexpr, QP: tl.constexpr,
-                       D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_N: tl.constexpr,
-                       SPLITS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr):
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+                             lse_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_or,
+                             stride_oh, stride_os, max_blocks, window, scale, row_bucket, QPG: tl.constexpr,
+                             QP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
+                             PRECISION: tl.constexpr):
         """One (row, KV head, split): online softmax over the split's keys for the KV head's query heads."""
         row = tl.program_id(0)
         group = tl.program_id(1)
@@ -176,8 +177,8 @@ if triton is not None:
             tl.store(lse_ptr + (row * (QPG * tl.num_programs(1)) + heads) * SPLITS + split, lse, mask=head_ok)
 
     @triton.jit
-    def _merge_kernel(partial_ptr, lse_ptr, out_ptr, stride_pr, stride_ph, stride_ps, stride_or, stride_oh,
-                      SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+    def _paged_merge_kernel(partial_ptr, lse_ptr, out_ptr, stride_pr, stride_ph, stride_ps, stride_or, stride_oh,
+                            SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
         """One (row, head): the splits' partial outputs weighted by their share of the softmax mass."""
         row = tl.program_id(0)
         head = tl.program_id(1)
@@ -197,11 +198,11 @@ if triton is not None:
                  mask=d_ok)
 
     @triton.jit
-    def _chunk_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr, out_ptr, stride_qt,
-                      stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_ot, stride_oh, max_blocks, window,
-                      scale, QPG: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                      BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr):
+    def _paged_chunk_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr, out_ptr, stride_qt,
+                            stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_ot, stride_oh, max_blocks,
+                            window, scale, QPG: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
+                            PRECISION: tl.constexpr):
         """One (query tile, head): causal online softmax over the tile's row up to each query's position."""
         tile = tl.program_id(0)
         head = tl.program_id(1)
@@ -266,7 +267,10 @@ if triton is not None:
         for n, warps, stages in ((64, 4, 2), (32, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 8, 3))
     ]
     # The interpreter (TRITON_INTERPRET=1, CPU checks) cannot time configurations: it runs the first.
-    _decode_tuned = triton.autotune(configs=_DECODE_CONFIGS[:1] if _INTERPRETED else _DECODE_CONFIGS,
-                                    key=["row_bucket", "QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"])(_decode_kernel)
-    _chunk_tuned = triton.autotune(configs=_CHUNK_CONFIGS[:1] if _INTERPRETED else _CHUNK_CONFIGS,
-                                   key=["QPG", "D", "BS", "FP8", "stride_kt"])(_chunk_kernel)
+    _decode_tuned = triton.autotune(
+        configs=_DECODE_CONFIGS[:1] if _INTERPRETED else _DECODE_CONFIGS,
+        key=["row_bucket", "QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"],
+    )(_paged_decode_kernel)
+    _chunk_tuned = triton.autotune(
+        configs=_CHUNK_CONFIGS[:1] if _INTERPRETED else _CHUNK_CONFIGS, key=["QPG", "D", "BS", "FP8", "stride_kt"],
+    )(_paged_chunk_kernel)
