@@ -49,17 +49,18 @@ def make_tiny_gpt_weights(config: dict, vocab: int = 64, seed: int = 0) -> dict[
     return weights
 
 
-def captured_decode_logits(model, ids: torch.Tensor, start: int):
+def captured_decode_logits(model, ids: torch.Tensor, start: int, kv_scales: torch.Tensor | None = None):
     """Logits `[B, T - start, V]` of positions `start..T-1` of token rows `ids [B, T]` as the scheduler's steps
-    compute them: `ids[:, :start]` prefilled as prompt pieces into a paged KV cache, then one decode step per
-    further token (captured CUDA graphs on CUDA). Returns the logits and the step (for its graph count)."""
+    compute them: `ids[:, :start]` prefilled as prompt pieces into a paged KV cache (float8 with `kv_scales`), then
+    one decode step per further token (captured CUDA graphs on CUDA). Returns the logits and the step (for its
+    graph count)."""
     from exporter.llm.sampling import TokenChooser
     from exporter.runtime.cuda_graphs import ForwardStep, Piece
 
     rows, length = ids.shape
     block_size = 16
     width = -(-length // block_size) + 1
-    cache = model.new_paged_kv_cache(1 + rows * width, block_size)
+    cache = model.new_paged_kv_cache(1 + rows * width, block_size, kv_scales)
     tables = torch.arange(1, 1 + rows * width, dtype=torch.int32).view(rows, width)
     chooser = TokenChooser(rows, model.config.vocab_size, model.device)
     step = ForwardStep(model, cache, tables.to(model.device), chooser, max_chunk=max(start * rows, 32))

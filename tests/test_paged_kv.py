@@ -306,15 +306,22 @@ def test_beams_and_sampled_rows_in_chunked_steps_get_their_answers_alone(model):
 # --- float8 --------------------------------------------------------------------------------------------------------
 
 
+def unit_scale_decoder(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Decoder:
+    """The tiny decoder with its matrices scaled by 1/sqrt(fan-in): activations of unit scale, as trained models
+    keep them (the float8 comparisons need realistic ranges)."""
+    weights = make_tiny_gpt_weights(CONFIG, vocab=VOCAB, seed=4)
+    weights = {k: v / v.shape[-1] ** 0.5 if v.ndim == 2 and "embedding" not in k else v
+               for k, v in weights.items() if not k.endswith(".bias")}
+    return Decoder.from_state_dict(DecoderConfig.from_nemo(CONFIG, vocab_size=VOCAB), select_llm_weights(weights),
+                                   dtype=dtype, device=device)
+
+
 @torch.inference_mode()
 def test_a_float8_cache_quantizes_on_write_dequantizes_on_read_and_stays_close():
     """The float8 cache holds `value / scale` in e4m3 (layer 0, whose inputs are the same, byte for byte), attention
     over it equals attention over its values multiplied back, and the logits of a model with unit-scale
     activations stay within 5% of the float32 cache's."""
-    weights = make_tiny_gpt_weights(CONFIG, vocab=VOCAB, seed=4)
-    weights = {k: v / v.shape[-1] ** 0.5 if v.ndim == 2 and "embedding" not in k else v
-               for k, v in weights.items() if not k.endswith(".bias")}
-    model = Decoder.from_state_dict(DecoderConfig.from_nemo(CONFIG, vocab_size=VOCAB), select_llm_weights(weights))
+    model = unit_scale_decoder()
     ids = _ids(110, 30)
     embeds = _embeds(model, ids)
     runs = {}
@@ -341,3 +348,36 @@ def test_a_float8_cache_quantizes_on_write_dequantizes_on_read_and_stays_close()
 
     error = (fp8_logits - logits).norm() / logits.norm()
     assert 0 < error < 5e-2, f"relative error {error:.3e}"
+
+
+# --- through the pipeline ------------------------------------------------------------------------------------------
+
+
+def test_questions_about_an_image_already_seen_reuse_its_blocks(tmp_path):
+    """The demo Neva: a second question about the same image reuses the blocks of the template's text and the
+    image's features; another image reuses only the text before it; the answers are those without reuse."""
+    from pathlib import Path
+
+    from exporter import TensorRTMMExporter
+
+    repo = Path(__file__).resolve().parents[1]
+    TensorRTMMExporter(tmp_path, device="cpu").export(repo / "demo" / "neva_demo.nemo", model_type="neva",
+                                                      dtype="float32", max_batch_size=2, max_input_len=200,
+                                                      max_output_len=8, max_multimodal_len=128)
+    shared = TensorRTMMExporter(tmp_path, device="cpu")
+    alone = TensorRTMMExporter(tmp_path, device="cpu", enable_kv_cache_reuse=False)
+    red, blue = (str(repo / "demo" / "images" / name) for name in ("red_circle.png", "blue_triangle.png"))
+    reused = []
+    try:
+        for question, image in (("What shape is this?", red), ("What color is the shape?", red),
+                                ("What color is the shape?", blue), ("What color is the shape?", blue)):
+            before = shared.pipeline.scheduler.reused_positions
+            assert shared.forward(question, image, max_output_len=4) == alone.forward(question, image,
+                                                                                      max_output_len=4)
+            reused.append(shared.pipeline.scheduler.reused_positions - before)
+    finally:
+        shared.pipeline.close()
+        alone.pipeline.close()
+    first, same_image, other_image, repeated = reused
+    assert first == 0 and same_image >= 64 and other_image < same_image and repeated >= same_image
+    assert alone.pipeline.scheduler.reused_positions == 0
