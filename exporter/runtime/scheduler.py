@@ -66,7 +66,7 @@ class Handle:
     submitted_at: float = field(default_factory=time.monotonic)  # time.monotonic() of each milestone
     first_token_at: float | None = None
     finished_at: float | None = None
-    prefix: list | None = None  # what each prompt position holds, for prefix reuse (None: no reuse)
+    block_keys: list[bytes] = field(default_factory=list)  # prefix keys of the prompt's full blocks (for reuse)
     _finished: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -273,8 +273,8 @@ class Scheduler:
                              f"{len(prompt)} + max_output_len {params.max_output_len}, {params.num_beams} beam(s)) "
                              f"and the whole cache has {self.pool.capacity}; raise kv_cache_free_gpu_mem_fraction "
                              "(or kv_cache_bytes), or ask for fewer tokens")
-        handle = Handle(prompt, list(prompt_ids), params, on_token,
-                        prefix=None if prefix is None or not self.reuse else list(prefix))
+        keys = prefix_keys(prefix, self.block_size) if prefix is not None and self.reuse else []
+        handle = Handle(prompt, list(prompt_ids), params, on_token, block_keys=keys)
         with self._wake:
             self.waiting.append(handle)
             self._wake.notify()
@@ -412,7 +412,7 @@ class Scheduler:
                 row = self._free_run(handle.params.num_beams)
                 if row is None:
                     return
-                keys = prefix_keys(handle.prefix, self.block_size) if handle.prefix is not None else []
+                keys = handle.block_keys
                 hits = self.pool.lookup(keys)
                 if not self.pool.can_allocate(self._blocks_needed(len(handle.prompt), handle.params, len(hits)),
                                               hits):
