@@ -277,16 +277,17 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def bench_main(doc: str, name: str, run_bench: Callable[[bool], dict], report_of: Callable[[dict], str]) -> None:
+    """A bench's command line: ``--tiny`` or not, then ``$OUT/<name>.json`` written and the report printed."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test, no timing value)")
     args = parser.parse_args()
-    result = run(args.tiny)
+    result = run_bench(args.tiny)
     out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "llava_bench.json"), "w") as stream:
+    with open(os.path.join(out, f"{name}.json"), "w") as stream:
         json.dump(result, stream, indent=1)
-    print(report(result))
+    print(report_of(result))
 
 
 if __name__ == "__main__":
-    main()
+    bench_main(__doc__, "llava_bench", run, report)

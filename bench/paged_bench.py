@@ -19,11 +19,8 @@ Parts (each runs on its own: one that fails prints its error and the others stil
 
 from __future__ import annotations
 
-import argparse
 import gc
 import io
-import json
-import os
 import random
 import string
 import time
@@ -34,7 +31,7 @@ import numpy as np
 import torch
 from llava_bench import FULL as LLAVA
 from llava_bench import TINY as LLAVA_TINY
-from llava_bench import copy_bandwidth, kv_bytes_per_token, synchronize, vision_encoder
+from llava_bench import bench_main, copy_bandwidth, kv_bytes_per_token, synchronize, vision_encoder
 from mixed_decode import FULL, TINY
 from mixed_decode import decoder as random_decoder
 from transformers import CLIPVisionConfig, CLIPVisionModel
@@ -317,16 +314,5 @@ def report(result: dict) -> str:
     return "\n".join(rows)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test, no timing value)")
-    args = parser.parse_args()
-    result = run(args.tiny)
-    out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "paged_bench.json"), "w") as stream:
-        json.dump(result, stream, indent=1)
-    print(report(result))
-
-
 if __name__ == "__main__":
-    main()
+    bench_main(__doc__, "paged_bench", run, report)

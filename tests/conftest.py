@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,23 @@ def make_tiny_gpt_weights(config: dict, vocab: int = 64, seed: int = 0) -> dict[
             }
         )
     return weights
+
+
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def run_under_triton_interpreter(test_file: str) -> None:
+    """Run ``test_file`` again in a child pytest with ``TRITON_INTERPRET=1`` (Triton reads it only when imported,
+    so kernel checks on the CPU run in a fresh process); fails with the child's output if any check fails."""
+    if TRITON_INTERPRETED:
+        pytest.skip("this is the child run")
+    root = Path(__file__).resolve().parents[1]
+    environment = {**os.environ, "TRITON_INTERPRET": "1",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file],
+                           cwd=root, env=environment, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    assert " passed" in child.stdout and "failed" not in child.stdout
 
 
 def captured_decode_logits(model, ids: torch.Tensor, start: int, kv_scales: torch.Tensor | None = None):

@@ -8,25 +8,19 @@ checks below are collected. The interpreter cannot multiply bfloat16: float32 an
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from conftest import TRITON_INTERPRETED, run_under_triton_interpreter  # noqa: E402
 from exporter.llm import paged_attention  # noqa: E402
 from exporter.llm.paged_attention import FP8_DTYPE, Chunk, PagedBatch, PagedKVCache  # noqa: E402
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.fixture(scope="module")
 def kernels():
-    if not INTERPRETED:
+    if not TRITON_INTERPRETED:
         pytest.skip("runs in the child pytest (TRITON_INTERPRET=1)")
     from exporter.llm import paged_triton
 
@@ -34,15 +28,7 @@ def kernels():
 
 
 def test_kernels_under_the_triton_interpreter():
-    if INTERPRETED:
-        pytest.skip("this is the child run")
-    root = Path(__file__).resolve().parents[1]
-    environment = {**os.environ, "TRITON_INTERPRET": "1",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-                           cwd=root, env=environment, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
-    assert " passed" in child.stdout and "failed" not in child.stdout
+    run_under_triton_interpreter(__file__)
 
 
 def _cache(dtype: torch.dtype, groups: int, dim: int, block_size: int, blocks: int, fp8: bool = False,

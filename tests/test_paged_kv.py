@@ -16,14 +16,10 @@ from exporter.runtime.cuda_graphs import Piece
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
 from exporter.runtime.scheduler import Scheduler, generate
 from test_generate import reference_beam_search
+from test_scheduler import CONFIG as SCHEDULER_CONFIG
+from test_scheduler import VOCAB, _run
 
-CONFIG = {
-    "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 48, "num_attention_heads": 4, "num_query_groups": 2,
-    "kv_channels": 8, "activation": "fast-swiglu", "normalization": "rmsnorm", "bias": False,
-    "position_embedding_type": "rope", "rotary_percentage": 1.0, "rotary_base": 10000,
-    "share_embeddings_and_output_weights": False, "layernorm_epsilon": 1e-5, "max_position_embeddings": 32768,
-}
-VOCAB = 64
+CONFIG = {**SCHEDULER_CONFIG, "max_position_embeddings": 32768}  # the scheduler tests' model, for long prompts
 
 
 @pytest.fixture(scope="module")
@@ -55,14 +51,6 @@ def static_greedy(model: Decoder, embeds: torch.Tensor, count: int) -> list[int]
         logits = model(model.embed(torch.tensor([[tokens[-1]]])), torch.tensor([[position]]), cache,
                        kv_len=position + 1)[0, -1]
     return tokens
-
-
-def _run(scheduler: Scheduler) -> int:
-    steps = 0
-    while scheduler.step():
-        steps += 1
-        assert steps < 20_000
-    return steps
 
 
 def _scheduler(model: Decoder, *, block_size: int = 4, max_num_tokens: int = 512, kv_cache_bytes: int | None = None,

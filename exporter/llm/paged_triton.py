@@ -104,16 +104,44 @@ def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales
 if triton is not None:
 
     @triton.jit
-    def _load_blocks(k_ptr, v_ptr, tables_ptr, table_row, keys, key_ok, group, max_blocks, stride_kb, stride_kt,
-                     stride_kh, d, d_ok, BS: tl.constexpr):
-        """Keys and values `[len(keys), DP]` of one KV head at positions `keys` of a row, as stored."""
+    def _softmax_start(scale, k_scale_ptr, group, ROWS: tl.constexpr, DP: tl.constexpr, FP8: tl.constexpr):
+        """The score scale (float8 keys' scale folded in) and an empty running max, sum and output."""
+        qk_scale = scale
+        if FP8:
+            qk_scale = scale * tl.load(k_scale_ptr + group)
+        return (qk_scale, tl.full((ROWS,), -1e30, dtype=tl.float32), tl.zeros((ROWS,), dtype=tl.float32),
+                tl.zeros((ROWS, DP), dtype=tl.float32))
+
+    @triton.jit
+    def _softmax_end(acc, total, v_scale_ptr, group, FP8: tl.constexpr):
+        """The output: the running output over the running sum (rows with no key: 0), float8 values' scale applied."""
+        if FP8:
+            acc = acc * tl.load(v_scale_ptr + group)
+        return acc / tl.where(total > 0, total, 1.0)[:, None]
+
+    @triton.jit
+    def _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, allowed, group, max_blocks, stride_kb, stride_kt,
+                      stride_kh, d, d_ok, qk_scale, m, total, acc, BS: tl.constexpr, FP8: tl.constexpr,
+                      PRECISION: tl.constexpr):
+        """One online-softmax update of `q`'s rows with the keys and values at positions `keys` of one KV head of a
+        row (`allowed`: which (query, key) pairs count); returns the running max, sum and output."""
+        key_ok = tl.max(allowed.to(tl.int32), 0) > 0
         page = tl.minimum(keys // BS, max_blocks - 1)
         block = tl.load(tables_ptr + table_row + page, mask=key_ok, other=0).to(tl.int64)
         offsets = block * stride_kb + (keys % BS).to(tl.int64) * stride_kt + group * stride_kh
         mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
         v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
-        return k, v
+        if FP8:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        total = total * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, total, acc
 
     @triton.jit
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
@@ -142,32 +170,16 @@ if triton is not None:
         d_ok = d < D
         q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=head_ok[:, None] & d_ok[None, :], other=0.0)
-        qk_scale = scale
-        if FP8:
-            qk_scale = scale * tl.load(k_scale_ptr + group)
-        m = tl.full((QP,), -1e30, dtype=tl.float32)
-        total = tl.zeros((QP,), dtype=tl.float32)
-        acc = tl.zeros((QP, DP), dtype=tl.float32)
+        qk_scale, m, total, acc = _softmax_start(scale, k_scale_ptr, group, QP, DP, FP8)
         table_row = row.to(tl.int64) * stride_tr
         for start in range(lo, hi, BLOCK_N):
             keys = start + tl.arange(0, BLOCK_N)
-            key_ok = (keys < hi) & (keys >= first_key)
-            k, v = _load_blocks(k_ptr, v_ptr, tables_ptr, table_row, keys, key_ok, group, max_blocks, stride_kb,
-                                stride_kt, stride_kh, d, d_ok, BS)
-            if FP8:
-                k, v = k.to(q.dtype), v.to(q.dtype)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-            s = tl.where(key_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, 1))
-            alpha = tl.exp2(m - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            total = total * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m = m_new
-        if FP8:
-            acc = acc * tl.load(v_scale_ptr + group)
+            allowed = ((keys < hi) & (keys >= first_key))[None, :] & (lane >= 0)[:, None]
+            m, total, acc = _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, allowed, group, max_blocks,
+                                          stride_kb, stride_kt, stride_kh, d, d_ok, qk_scale, m, total, acc, BS, FP8,
+                                          PRECISION)
         found = total > 0
-        acc = acc / tl.where(found, total, 1.0)[:, None]
+        acc = _softmax_end(acc, total, v_scale_ptr, group, FP8)
         out = out_ptr + row.to(tl.int64) * stride_or + heads[:, None] * stride_oh + split * stride_os + d[None, :]
         if SPLITS == 1:
             tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
@@ -220,38 +232,21 @@ if triton is not None:
             tokens = (first + rows).to(tl.int64)
             q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-            qk_scale = scale
-            if FP8:
-                qk_scale = scale * tl.load(k_scale_ptr + group)
             end = start + count
             lo = 0
             if WINDOWED:
                 lo = (tl.maximum(start - window, 0) // BLOCK_N) * BLOCK_N
-            m = tl.full((BLOCK_M,), -1e30, dtype=tl.float32)
-            total = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            acc = tl.zeros((BLOCK_M, DP), dtype=tl.float32)
+            qk_scale, m, total, acc = _softmax_start(scale, k_scale_ptr, group, BLOCK_M, DP, FP8)
             table_row = sequence.to(tl.int64) * stride_tr
             for key_start in range(lo, end, BLOCK_N):
                 keys = key_start + tl.arange(0, BLOCK_N)
-                key_ok = keys < end
-                k, v = _load_blocks(k_ptr, v_ptr, tables_ptr, table_row, keys, key_ok, group, max_blocks,
-                                    stride_kb, stride_kt, stride_kh, d, d_ok, BS)
-                if FP8:
-                    k, v = k.to(q.dtype), v.to(q.dtype)
-                s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-                allowed = key_ok[None, :] & (keys[None, :] <= query_positions[:, None])
+                allowed = (keys < end)[None, :] & (keys[None, :] <= query_positions[:, None]) & row_ok[:, None]
                 if WINDOWED:
                     allowed = allowed & (keys[None, :] >= query_positions[:, None] - window)
-                s = tl.where(allowed, s, float("-inf"))
-                m_new = tl.maximum(m, tl.max(s, 1))
-                alpha = tl.exp2(m - m_new)
-                p = tl.exp2(s - m_new[:, None])
-                total = total * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                m = m_new
-            if FP8:
-                acc = acc * tl.load(v_scale_ptr + group)
-            acc = acc / tl.where(total > 0, total, 1.0)[:, None]
+                m, total, acc = _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, allowed, group,
+                                              max_blocks, stride_kb, stride_kt, stride_kh, d, d_ok, qk_scale, m,
+                                              total, acc, BS, FP8, PRECISION)
+            acc = _softmax_end(acc, total, v_scale_ptr, group, FP8)
             tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
 
