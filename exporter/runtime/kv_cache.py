@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..llm.model import Decoder
-from ..llm.paged_attention import kv_scales_from_amax
+from ..llm.paged_attention import PagedKVCache, kv_scales_from_amax
 from ..llm.sampling import host_to_device
 
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -54,6 +54,27 @@ class KVCacheOptions:
             raise ValueError(f"kv_cache_dtype {self.dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         if self.block_size < 1:
             raise ValueError(f"the KV-cache block size must be at least 1, got {self.block_size}")
+
+
+def allocate_cache(model: Decoder, options: KVCacheOptions, *, rows: int, blocks_per_row: int, reserve_bytes: int = 0,
+                   scales: Tensor | None = None) -> PagedKVCache:
+    """The paged cache `options` ask for, for `rows` rows of `blocks_per_row` blocks (`pool_size`); a float8 one
+    with `scales` (default: `calibrated_kv_scales`)."""
+    if options.dtype == "fp8":
+        device = model.device
+        if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError(f"kv_cache_dtype fp8 needs a GPU with FP8 (compute capability 8.9 or later); "
+                             f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}; "
+                             "use kv_cache_dtype auto")
+        scales = scales if scales is not None else calibrated_kv_scales(model)
+    else:
+        scales = None
+    c = model.config
+    element = 1 if scales is not None else model.dtype.itemsize
+    block_bytes = 2 * c.num_layers * options.block_size * c.num_query_groups * c.head_dim * element
+    blocks = pool_size(options, block_bytes=block_bytes, rows=rows, blocks_per_row=blocks_per_row,
+                       device=model.device, reserve_bytes=reserve_bytes)
+    return model.new_paged_kv_cache(blocks, options.block_size, scales)
 
 
 def pool_size(options: KVCacheOptions, *, block_bytes: int, rows: int, blocks_per_row: int,

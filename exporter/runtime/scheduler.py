@@ -42,7 +42,7 @@ from ..llm.model import Decoder
 from ..llm.sampling import RowSetup, TokenChooser, host_to_device
 from ..llm.tokenizer import Tokenizer
 from .cuda_graphs import MAX_PIECES, ForwardStep, LaunchedStep, Piece, activation_bytes
-from .kv_cache import BlockPool, BlockTables, KVCacheOptions, calibrated_kv_scales, pool_size, prefix_keys
+from .kv_cache import BlockPool, BlockTables, KVCacheOptions, allocate_cache, prefix_keys
 
 TokenCallback = Callable[[int], None]
 
@@ -202,7 +202,6 @@ class Scheduler:
             raise ValueError(f"max_num_tokens must be at least 1, got {max_num_tokens}")
         options = kv_cache or KVCacheOptions()
         device = model.device
-        _check_kv_dtype(options, device)
         self.model = model
         self.max_seq_len = max_seq_len
         self.max_beam_width = max_beam_width
@@ -215,24 +214,17 @@ class Scheduler:
         # past every row's position) write to the null block
         width = -(-max_seq_len // self.block_size) + 1
         reserve = 2 * activation_bytes(model, max_slots, max_num_tokens, max_beam_width) if device.type == "cuda" else 0
-        scales = None
-        if options.dtype == "fp8":
-            scales = kv_cache_scales if kv_cache_scales is not None else calibrated_kv_scales(model)
-        c = model.config
-        element = 1 if scales is not None else model.dtype.itemsize
-        block_bytes = 2 * c.num_layers * self.block_size * c.num_query_groups * c.head_dim * element
-        blocks = pool_size(options, block_bytes=block_bytes, rows=max_slots, blocks_per_row=width - 1,
-                           device=device, reserve_bytes=reserve)
-        self.cache = model.new_paged_kv_cache(blocks, self.block_size, scales)
-        self.pool = BlockPool(blocks)
+        self.cache = allocate_cache(model, options, rows=max_slots, blocks_per_row=width - 1, reserve_bytes=reserve,
+                                    scales=kv_cache_scales)
+        self.pool = BlockPool(self.cache.num_blocks)
         self.tables = BlockTables(max_slots, width, device)
         self.slots: list[_Running | None] = [None] * max_slots
         self.waiting: deque[Handle] = deque()
         self.prefilling: list[_Running] = []  # admitted, prompt not complete, in admission order
-        self.chooser = TokenChooser(max_slots, c.vocab_size, device, max_beam_width)
+        self.chooser = TokenChooser(max_slots, model.config.vocab_size, device, max_beam_width)
         self.forward = ForwardStep(model, self.cache, self.tables.tensor, self.chooser, max_chunk=max_num_tokens,
                                    use_cuda_graphs=use_cuda_graphs)
-        self.key_equivalent = attention_key_equivalent(c)
+        self.key_equivalent = attention_key_equivalent(model.config)
         self.decode_steps = 0
         self.steps_queued_ahead = 0
         self.prefilled_positions = 0
@@ -648,13 +640,6 @@ def attention_key_equivalent(config: DecoderConfig) -> float:
     weights = hidden * (heads + 2 * groups) * dim + heads * dim * hidden \
         + experts * ffn * hidden * (3 if config.gated else 2)
     return weights / (2 * heads * dim * ATTENTION_COST)
-
-
-def _check_kv_dtype(options: KVCacheOptions, device: torch.device) -> None:
-    if options.dtype == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"kv_cache_dtype fp8 needs a GPU with FP8 (compute capability 8.9 or later); "
-                         f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}; "
-                         "use kv_cache_dtype auto")
 
 
 @torch.inference_mode()
