@@ -117,7 +117,8 @@ def decode_ms(scheduler: Scheduler, rows: int, steps: int) -> tuple[float, float
     prompts = _prompts(scheduler.model, rows, CONTEXT, seed=rows)
     params = SamplingParams(max_output_len=steps + 64)
     handles = [scheduler.submit(prompts[i], [-1] * CONTEXT, params) for i in range(rows)]
-    budget, scheduler.max_num_tokens = scheduler.max_num_tokens, rows * CONTEXT
+    # a larger chunk budget (eager steps) admits them quickly; 4096 keeps its activations within the reserve's room
+    budget, scheduler.max_num_tokens = scheduler.max_num_tokens, min(rows * CONTEXT, 4096)
     try:
         while scheduler.prefilling or scheduler.waiting:
             scheduler.step()
