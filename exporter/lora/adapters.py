@@ -100,7 +100,7 @@ def take_adapter_weights(weights: dict[str, Tensor], model_config: Any, where: s
         match = _LORA_KEY.match(name)
         if match is None or match[2] not in NEMO_ADAPTERS:
             raise LoraError(
-                f"{where}: LoRA weight {name!r} is not one this exporter reads (linear_in/linear_out weights of "
+                f"{where}: LoRA weight {name!r} is not one this exporter merges or serves (linear_in/linear_out weights of "
                 f"{', '.join(a.rsplit('.', 1)[1] for a in NEMO_ADAPTERS)}); merge it into the checkpoint with NeMo"
             )
         pairs.setdefault((int(match[1]), NEMO_ADAPTERS[match[2]]), {})[match[3]] = weights.pop(name)

@@ -165,9 +165,8 @@ class DecodeStep:
             self.pool = torch.cuda.graph_pool_handle()
 
     def set_adapters(self, first: int, slots: Sequence[int]) -> None:
-        """Rows ``[first, first + len(slots))`` decode with these LoRA slots (ignored without a LoRA bank)."""
-        if self.adapters is not None and slots:
-            self.adapters[first:first + len(slots)].copy_(host_to_device(slots, torch.long, self.adapters.device))
+        """Rows ``[first, first + len(slots))`` decode with these LoRA slots (the model has a LoRA bank)."""
+        self.adapters[first:first + len(slots)].copy_(host_to_device(slots, torch.long, self.adapters.device))
 
     def launch(self, rows: int, furthest: int, tokens: Sequence[int] | None = None,
                positions: Sequence[int] | None = None, *, full: bool = False,

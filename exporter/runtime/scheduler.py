@@ -383,7 +383,8 @@ class Scheduler:
             seen += [self._prompt_ids(request)] * width
             ends += [sorted(request.search.end_ids) if width > 1 else []] + [[]] * (width - 1)
         self.chooser.set_rows(first, setups)
-        self.decode.set_adapters(first, [request.handle.adapter for request in placed for _ in request.rows])
+        if self.model.lora is not None:
+            self.decode.set_adapters(first, [request.handle.adapter for request in placed for _ in request.rows])
         self.chooser.set_ids(self.chooser.seen, first, seen)
         if any(ends):
             self.chooser.set_ids(self.chooser.ends, first, ends)
