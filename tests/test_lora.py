@@ -17,7 +17,6 @@ import time
 
 import pytest
 import torch
-from lora_fixtures import ADAPTERS, nemo_config, with_adapter, write_adapter
 
 from exporter import TensorRTMMExporter
 from exporter.engine import EngineError
@@ -25,6 +24,7 @@ from exporter.llm.generate import SamplingParams
 from exporter.llm.lora_layers import LoraBank
 from exporter.lora import LoraError, adapter_sources, read_adapter
 from exporter.runtime import Request
+from lora_fixtures import ADAPTERS, nemo_config, with_adapter, write_adapter
 from neva_reference import answer_ids, prompt_embeddings
 from vlm_fixtures import PROMPTS, build_vlm, random_image, reference_features, reference_tokens, tokenizer_file
 
