@@ -144,9 +144,10 @@ class DecodeStep:
     row's next token and position (``TokenChooser.choose``), so steps can be queued back to back before the host has
     read any of them. ``launch`` with tokens and positions sets them from the host instead (rows ``[0, n)`` active).
     Beam rows given to ``launch`` first copy their parent rows' cache. Rows are masked past their own position. With
-    a LoRA bank on the model, each row decodes with its adapter slot (``set_adapters``, a static device tensor). On
-    CUDA a step is a graph captured per (row bucket, attended span: the shortest ``kv_bucket_sizes`` span holding
-    ``furthest``, full or argmax-only choice); elsewhere it runs eagerly.
+    a LoRA bank on the model, each row decodes with its adapter slot (``set_adapters``, a static device tensor), and
+    a step without adapter rows skips the LoRA products. On CUDA a step is a graph captured per (row bucket,
+    attended span: the shortest ``kv_bucket_sizes`` span holding ``furthest``, full or argmax-only choice, LoRA or
+    not); elsewhere it runs eagerly.
     """
 
     def __init__(self, model: Decoder, cache: KVCache, use_cuda_graphs: bool | None = None,
@@ -159,7 +160,7 @@ class DecodeStep:
         self.chooser = chooser or TokenChooser(slots, model.config.vocab_size, device)
         self.buckets = bucket_sizes(slots)
         self.spans = kv_bucket_sizes(cache.max_seq_len)
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.adapters = None if model.lora is None else torch.zeros(slots, dtype=torch.long, device=device)
         if self.enabled:
             self.pool = torch.cuda.graph_pool_handle()
@@ -170,54 +171,57 @@ class DecodeStep:
 
     def launch(self, rows: int, furthest: int, tokens: Sequence[int] | None = None,
                positions: Sequence[int] | None = None, *, full: bool = False,
-               beam_rows: Tensor | None = None, beams_from: int = 0) -> LaunchedStep:
+               beam_rows: Tensor | None = None, beams_from: int = 0, lora: bool = True) -> LaunchedStep:
         """Queue a step for rows ``[0, rows)`` whose positions are all below ``furthest``.
 
         ``tokens`` and ``positions`` (one per row) replace the chooser's; ``full`` runs penalties, sampling and beam
         search (else an argmax); ``beam_rows`` (a device tensor) are the rows that first copy their parent's cache
-        from position ``beams_from`` on (where beams of one prompt start to differ).
+        from position ``beams_from`` on (where beams of one prompt start to differ); ``lora``: some row has a LoRA
+        adapter (else the step skips the LoRA products).
         """
         span = next(s for s in self.spans if s >= furthest)
         if tokens is not None:
             self.chooser.place(tokens, positions)
         if beam_rows is not None:
             self.cache.copy_rows_(beam_rows, self.chooser.ints[PARENT, beam_rows], beams_from, furthest)
+        lora = lora and self.adapters is not None
         if not self.enabled:
-            logits = self._compute(rows, span, full)
+            logits = self._compute(rows, span, full, lora)
         else:
             bucket = next(b for b in self.buckets if b >= rows)
-            if (bucket, span, full) not in self.graphs:
-                self._capture(bucket, span, full)
-            graph, logits = self.graphs[(bucket, span, full)]
+            if (bucket, span, full, lora) not in self.graphs:
+                self._capture(bucket, span, full, lora)
+            graph, logits = self.graphs[(bucket, span, full, lora)]
             graph.replay()
             logits = logits[:rows]
         return LaunchedStep.read_back(self.chooser, 0, logits, full and beam_rows is not None)
 
     def capture_all(self) -> None:
-        """Capture every (row bucket, span, choice) graph now, so no request waits for one later (before any
+        """Capture every (row bucket, span, choice, LoRA) graph now, so no request waits for one later (before any
         request: the captures run steps on the rows)."""
         for bucket in self.buckets if self.enabled else ():
             for span in self.spans:
                 for full in (False, True):
-                    if (bucket, span, full) not in self.graphs:
-                        self._capture(bucket, span, full)
+                    for lora in (False, True) if self.adapters is not None else (False,):
+                        if (bucket, span, full, lora) not in self.graphs:
+                            self._capture(bucket, span, full, lora)
 
     @property
     def graph_count(self) -> int:
         return len(self.graphs)
 
-    def _capture(self, bucket: int, span: int, full: bool) -> None:
+    def _capture(self, bucket: int, span: int, full: bool, lora: bool) -> None:
         # Capturing runs the step from the current state (writing each row's cache at its own position, as the
         # step will, and past it, where the next steps write): keep the state as it was.
         saved = self.chooser.snapshot()
-        self.graphs[(bucket, span, full)] = capture(lambda: self._compute(bucket, span, full), self.pool)
+        self.graphs[(bucket, span, full, lora)] = capture(lambda: self._compute(bucket, span, full, lora), self.pool)
         self.chooser.restore(saved)
 
-    def _compute(self, rows: int, span: int, full: bool) -> Tensor:
+    def _compute(self, rows: int, span: int, full: bool, lora: bool = False) -> Tensor:
         state = self.chooser.ints
         tokens, positions = state[TOKEN, :rows], state[POSITION, :rows, None]
         view = self.cache.rows(0, rows)
-        adapters = None if self.adapters is None else self.adapters[:rows]
+        adapters = self.adapters[:rows] if lora else None
         logits = self.model(self.model.embed(tokens)[:, None], positions, view, kv_len=span, adapters=adapters)[:, 0]
         self.chooser.choose(logits, 0, full)
         return logits
@@ -297,5 +301,5 @@ class PrefillStep:
             padded[row, : lengths[row]] = prompt.to(padded)
         rows = self.cache.rows(first_row, first_row + len(prompts))
         last = host_to_device(lengths, torch.long, model.device) - 1
-        slots = None if model.lora is None else host_to_device(adapters, torch.long, model.device)
+        slots = host_to_device(adapters, torch.long, model.device) if any(adapters) else None
         return model(padded, kv_cache=rows, output_index=last, adapters=slots)[:, 0].float()

@@ -293,7 +293,8 @@ class Scheduler:
         step = self.decode.launch(last.first_row + last.width, max(r.position for r in running) + 1,
                                   full=not all(r.plain for r in running),
                                   beam_rows=self._beam_rows_tensor(beam_rows) if beam_rows else None,
-                                  beams_from=min((len(r.handle.prompt) for r in searches), default=0))
+                                  beams_from=min((len(r.handle.prompt) for r in searches), default=0),
+                                  lora=any(r.handle.adapter for r in running))
         self.decode_steps += 1
         self.steps_queued_ahead += any(launched.decode for launched in self._inflight)
         for request in running:
