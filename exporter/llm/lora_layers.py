@@ -40,6 +40,9 @@ LORA_MODULES: dict[str, str] = {
     "mlp_4h_to_h": "mlp.linear_fc2",
 }
 _K_PER_PROGRAM = 1024  # input columns one program of the Triton shrink kernel sums
+# The one-token-per-row CUDA products: None takes the faster of "bmm" and "triton" per shape (timed once); set it to
+# one of them to fix the choice (the benchmark measures each).
+CUDA_KERNEL: str | None = None
 
 
 def lora_shape(config: DecoderConfig, module: str) -> tuple[int, int]:
@@ -98,8 +101,10 @@ class LoraSlots:
         if (triton is not None and x.is_cuda and x.shape[1] == 1 and x.dtype in (torch.float16, torch.bfloat16)
                 and y.is_contiguous() and x.is_contiguous()):
             key = ("lora", x.shape[0], x.shape[2], y.shape[2], self.a.shape[1], x.dtype)
-            return fastest(key, {"bmm": lambda: self.batched(y, x, adapters),
-                                 "triton": lambda: self.kernels(y, x, adapters)}, "bmm")
+            candidates = {"bmm": lambda: self.batched(y, x, adapters), "triton": lambda: self.kernels(y, x, adapters)}
+            if CUDA_KERNEL is not None:
+                return candidates[CUDA_KERNEL]()
+            return fastest(key, candidates, "bmm")
         return self.batched(y, x, adapters)
 
     def batched(self, y: Tensor, x: Tensor, adapters: Tensor) -> Tensor:
