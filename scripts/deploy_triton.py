@@ -209,7 +209,8 @@ def _validate(settings: dict) -> None:
     if settings["lora_target_modules"] or settings["max_lora_rank"] is not None:
         from exporter.lora import plan_lora  # the exporter only when asked (the script starts without it)
 
-        plan_lora([], settings["lora_target_modules"], settings["max_lora_rank"] or 1)  # names a bad module or rank
+        rank = settings["max_lora_rank"]
+        plan_lora([], settings["lora_target_modules"], 1 if rank is None else rank)  # names a bad module or rank
     if settings["merge_lora"] and not (settings["visual_checkpoint"] and settings["lora_checkpoint_path"]):
         raise ValueError("--merge_lora merges an adapter at export: give -vc/--visual_checkpoint and "
                          "-lcp/--lora_checkpoint_path")
@@ -288,7 +289,7 @@ def _export_arguments(settings: argparse.Namespace) -> dict:
         "dtype": settings.dtype,
         "use_lora_plugin": settings.use_lora_plugin,
         "lora_target_modules": settings.lora_target_modules,
-        "max_lora_rank": settings.max_lora_rank or 64,
+        "max_lora_rank": 64 if settings.max_lora_rank is None else settings.max_lora_rank,
         "lora_checkpoint_path": settings.lora_checkpoint_path,
         "merge_lora": settings.merge_lora,
         "max_loras": settings.max_loras,

@@ -12,8 +12,10 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import shutil
+import sys
 import tarfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,3 +307,21 @@ def test_a_quantized_base_serves_adapters_in_the_model_dtype(setup):
         assert len(with_a) == STEPS and without != with_a
     finally:
         quantized.pipeline.close()
+
+
+def test_deploy_script_checks_the_lora_flags():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    try:
+        import deploy_triton
+    finally:
+        sys.path.pop(0)
+    settings = deploy_triton.parse_settings(["-tmn", "m", "-mt", "neva", "-vc", "x.nemo", "-lcp", "a:/x,b:/y",
+                                             "--merge_lora", "--max_loras", "3", "-ltm", "attn_qkv", "attn_dense"])
+    assert (settings.merge_lora, settings.max_loras, settings.lora_target_modules) == (True, 3, ["attn_qkv",
+                                                                                             "attn_dense"])
+    assert deploy_triton._export_arguments(settings)["max_lora_rank"] == 64
+    for argv, message in [(["-ltm", "attn_x"], "lora_target_modules \\['attn_x'\\] are not LoRA modules"),
+                          (["-mlr", "0"], "max_lora_rank must be at least 1"),
+                          (["--merge_lora"], "--merge_lora merges an adapter at export")]:
+        with pytest.raises(ValueError, match=message):
+            deploy_triton.parse_settings(["-tmn", "m", *argv])
