@@ -121,12 +121,15 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
                           "llm_checkpoint_path (-lc/--llm_checkpoint)")
     if merged_lora is not None:
         merge_adapter(llm_weights, merged_lora)
+    if lora is not None:  # before the LLM is written: a bad adapter fails fast
+        vocab_size = int(llm_weights["embedding.word_embeddings.weight"].shape[0])
+        shapes = DecoderConfig.from_nemo(llm_checkpoint.config, vocab_size=vocab_size)
+        for adapter in lora.adapters:
+            check_lora_adapter(shapes, lora.modules, lora.max_rank, adapter.uid, adapter.rank, adapter.weights)
     tokenizer = llm_checkpoint.tokenizer(tokenizer_path=tokenizer_path)
     llm_config = _write_llm(model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target,
                             None if quantizer is None else lambda config, w: quantizer.apply(config, w, tokenizer))
     if lora is not None:
-        for adapter in lora.adapters:
-            check_lora_adapter(llm_config, lora.modules, lora.max_rank, adapter.uid, adapter.rank, adapter.weights)
         save_adapters(model_dir / LLM_DIR / LORA_DIR, lora.adapters, target)
     tokenizer_description = tokenizer.save(model_dir / LLM_DIR)
     (model_dir / LLM_DIR / "tokenizer_description.json").write_text(json.dumps(tokenizer_description, indent=2))
