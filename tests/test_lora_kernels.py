@@ -21,16 +21,17 @@ from exporter.llm.lora_layers import LoraSlots
 
 SHAPES = ((256, 768), (256, 256), (256, 1376), (688, 256), (100, 37), (1030, 300))  # (in, out)
 RANKS = (8, 3, 5)  # slots 1..3 of a bank of rank 8
+WIDE_RANKS = (64, 17, 40)  # a bank of rank 64: other tile sizes
 ROWS = (0, 1, 2, 3, 1, 0, 2)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _bank(in_features: int, out_features: int, dtype: torch.dtype, seed: int):
-    """Slots filled with random adapters, and the adapters themselves: slot -> (A, B, scale)."""
+def _bank(in_features: int, out_features: int, dtype: torch.dtype, seed: int, ranks: tuple[int, ...] = RANKS):
+    """Slots filled with random adapters of `ranks`, and the adapters themselves: slot -> (A, B, scale)."""
     generator = torch.Generator().manual_seed(seed)
-    slots = LoraSlots(len(RANKS), max(RANKS), in_features, out_features, dtype, torch.device("cpu"))
+    slots = LoraSlots(len(ranks), max(ranks), in_features, out_features, dtype, torch.device("cpu"))
     adapters = {}
-    for slot, rank in enumerate(RANKS, start=1):
+    for slot, rank in enumerate(ranks, start=1):
         a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
         b = torch.randn(out_features, rank, generator=generator)
         scale = 2.0 / slot
@@ -74,18 +75,19 @@ def interpreted():
         pytest.skip("runs in the child pytest (TRITON_INTERPRET=1)")
 
 
+@pytest.mark.parametrize("ranks", (RANKS, WIDE_RANKS))
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float16))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_triton_kernels_match_the_per_row_loop(interpreted, shape, dtype):
+def test_triton_kernels_match_the_per_row_loop(interpreted, shape, dtype, ranks):
     """One token per row (decode); the kernels read each row's slot up to its rank; float16 rounds A x to
     float16 between the products, as NeMo's linear_in output is."""
     in_features, out_features = shape
-    slots, adapters = _bank(in_features, out_features, dtype, seed=out_features)
+    slots, adapters = _bank(in_features, out_features, dtype, seed=out_features, ranks=ranks)
     x = torch.randn(len(ROWS), 1, in_features).to(dtype)
     y = torch.randn(len(ROWS), 1, out_features).to(dtype)
     got = slots.kernels(y, x, torch.tensor(ROWS))
     assert got.dtype == dtype and got.shape == y.shape
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.double(), _reference(y, x, ROWS, adapters), rtol=tolerance, atol=tolerance)
     torch.testing.assert_close(got, slots.batched(y, x, torch.tensor(ROWS)), rtol=tolerance, atol=tolerance)
     assert torch.equal(got[0], y[0]) and torch.equal(got[5], y[5])

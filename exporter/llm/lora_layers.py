@@ -116,13 +116,14 @@ class LoraSlots:
         """The update by the Triton kernels (one token per row): each row reads its slot, up to the slot's rank."""
         rows, depth, width, rank = x.shape[0], x.shape[2], y.shape[2], self.a.shape[1]
         block_r = triton.next_power_of_2(rank)
+        block = min(256, max(32, 4096 // block_r))  # a tile of about 4096 float32 values per program
         splits = triton.cdiv(depth, _K_PER_PROGRAM)
         parts = torch.empty(splits, rows, block_r, dtype=torch.float32, device=x.device)
         _shrink_kernel[(rows, splits)](x, self.a, adapters, self.ranks, parts, rows, depth, rank,
-                                       BLOCK_R=block_r, BLOCK_K=128, K_PER_PROGRAM=_K_PER_PROGRAM)
+                                       BLOCK_R=block_r, BLOCK_K=min(block, 128), K_PER_PROGRAM=_K_PER_PROGRAM)
         out = torch.empty_like(y)
-        _expand_kernel[(rows, triton.cdiv(width, 256))](y, parts, self.b, adapters, self.ranks, out, rows, width,
-                                                        rank, SPLITS=splits, BLOCK_R=block_r, BLOCK_N=256)
+        _expand_kernel[(rows, triton.cdiv(width, block))](y, parts, self.b, adapters, self.ranks, out, rows, width,
+                                                          rank, SPLITS=splits, BLOCK_R=block_r, BLOCK_N=block)
         return out
 
 
