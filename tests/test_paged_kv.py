@@ -80,6 +80,9 @@ def test_prefix_keys_chain_every_position_before_them():
     other = [("img-b", 0, 0), ("img-b", 0, 1), ("img-b", 0, 2), ("img-b", 0, 3)]
     assert prefix_keys([1, 2, 3, 4, *image], 4)[1] != prefix_keys([1, 2, 3, 4, *other], 4)[1]
     assert prefix_keys([1, 2, 3, 4, None, 6, 7, 8, 9, 10, 11, 12], 4) == a[:1]  # unknown content: the chain stops
+    # a LoRA adapter changes every key and value: its uid salts the chain (test_lora.py serves the same prompt with
+    # adapters a, b and none, then b again, reusing only b's blocks)
+    assert prefix_keys([1, 2, 3, 4], 4, salt="a") != prefix_keys([1, 2, 3, 4], 4, salt="b") != a[:1]
 
 
 def test_block_pool_counts_references_and_evicts_cached_blocks_oldest_first():
@@ -317,8 +320,9 @@ def test_a_float8_cache_quantizes_on_write_dequantizes_on_read_and_stays_close()
         scheduler = Scheduler(model, max_slots=1, max_seq_len=40, eos_id=None,
                               kv_cache=KVCacheOptions(block_size=8, dtype=dtype))
         table = scheduler.pool.allocate(4)
-        chunk, chunk_embeds, positions, _ = scheduler.forward._chunk([Piece(embeds, 0, table)], 30)
-        logits = model(chunk_embeds[None], positions[None], PagedBatch(scheduler.cache, chunk=chunk))[0]
+        inputs = scheduler.forward._chunk([Piece(embeds, 0, table)], 30)
+        logits = model(inputs.embeds[:, None], inputs.positions[:, None],
+                       PagedBatch(scheduler.cache, chunk=inputs.chunk))[:, 0]
         runs[dtype] = (scheduler.cache, table, logits)
     (plain, table, logits), (fp8, fp8_table, fp8_logits) = runs["auto"], runs["fp8"]
     assert plain.data.dtype == torch.float32 and fp8.data.dtype == FP8_DTYPE and table == fp8_table

@@ -228,19 +228,14 @@ def create_app(exporter: Any, model_name: str, policy: MediaPolicy | None = None
                            code="not_ready")
         _ = model.engine
 
-    def require_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
-
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model.card()]}
+        return {"object": "list", "data": model.cards()}
 
     @app.get("/v1/models/{name}")
     async def get_model(name: str) -> dict[str, Any]:
-        require_model(name)
-        return model.card()
+        model.lora_uid(name)  # 404 unless served
+        return next(card for card in model.cards() if card["id"] == name)
 
     @app.get("/v1/health/live")
     async def live() -> dict[str, str]:
@@ -254,7 +249,7 @@ def create_app(exporter: Any, model_name: str, policy: MediaPolicy | None = None
     @app.post("/v1/chat/completions")
     async def chat_completions(http_request: Request):
         body = await _chat_body(http_request)
-        require_model(body.model)
+        model.lora_uid(body.model)  # 404 for a model not served
         require_ready()
         try:
             request = await to_pipeline_request(body, model, fetcher)
@@ -262,13 +257,13 @@ def create_app(exporter: Any, model_name: str, policy: MediaPolicy | None = None
                 result = (await anyio.to_thread.run_sync(exporter.generate, [request]))[0]
                 if isinstance(result, Exception):
                     raise result
-                return completion_body(result, request, model_name)
+                return completion_body(result, request, body.model)
             # the first piece is awaited here, so that errors before any text still get their status
             pieces = await anyio.to_thread.run_sync(lambda: peeked(iter(exporter.stream(request))))
         except Exception as error:  # noqa: BLE001 - mapped to an OpenAI error object
             raise api_error(error) from error
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(relay(stream_events(pieces, request, model_name, include_usage)),
+        return StreamingResponse(relay(stream_events(pieces, request, body.model, include_usage)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     return app

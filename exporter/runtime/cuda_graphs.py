@@ -19,7 +19,7 @@ from torch import Tensor
 from ..llm.model import Decoder
 from ..llm.paged_attention import Chunk, PagedBatch, PagedKVCache
 from ..llm.paged_triton import CHUNK_TILE
-from ..llm.sampling import PARENT, POSITION, TOKEN, TokenChooser
+from ..llm.sampling import PARENT, POSITION, TOKEN, TokenChooser, host_to_device
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SHORTEST_CHUNK = 32  # the smallest padded chunk of prompt tokens
@@ -145,11 +145,12 @@ class LaunchedStep:
 @dataclass
 class Piece:
     """A run of one prompt's positions to prefill: embeddings ``[n, H]`` at positions ``[start, start + n)`` of a
-    row whose block table is ``blocks`` (covering them)."""
+    row whose block table is ``blocks`` (covering them), computed with LoRA slot ``adapter`` (0: none)."""
 
     embeds: Tensor
     start: int
     blocks: Sequence[int]
+    adapter: int = 0
 
 
 class ForwardStep:
@@ -160,9 +161,11 @@ class ForwardStep:
     the row's next token and position (``TokenChooser.choose``), so steps can be queued back to back before the host
     has read any of them. ``launch`` with tokens and positions sets them from the host instead. Row ``r`` reads and
     writes the blocks of ``tables[r]`` (an idle row's: the null block). Beam rows given to ``launch`` first copy
-    their parent rows' blocks. On CUDA a step is a graph captured per (row bucket, chunk bucket, full or
-    argmax-only choice) with the block tables, the chooser's state and the chunk's buffers as its inputs; a chunk of
-    more than ``MAX_PIECES`` pieces or ``max_chunk`` tokens, and every step elsewhere, runs eagerly.
+    their parent rows' blocks. With a LoRA bank on the model, each decode row runs with its adapter slot
+    (``set_adapters``, a static device tensor) and each piece with its own; a step without adapters skips the LoRA
+    products. On CUDA a step is a graph captured per (row bucket, chunk bucket, full or argmax-only choice, LoRA or
+    not) with the block tables, the chooser's state and the chunk's buffers as its inputs; a chunk of more than
+    ``MAX_PIECES`` pieces or ``max_chunk`` tokens, and every step elsewhere, runs eagerly.
     """
 
     def __init__(self, model: Decoder, cache: PagedKVCache, tables: Tensor, chooser: TokenChooser, *,
@@ -176,25 +179,31 @@ class ForwardStep:
         self.buckets = bucket_sizes(tables.shape[0])
         self.chunk_buckets = chunk_bucket_sizes(max_chunk)
         self.splits = {rows: decode_splits(rows, model.config.num_query_groups, device) for rows in self.buckets}
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.adapters = None if model.lora is None else torch.zeros(tables.shape[0], dtype=torch.long, device=device)
         if self.enabled:
             self.pool = torch.cuda.graph_pool_handle()
             longest = self.chunk_buckets[-1]
             self.embeds = torch.zeros(longest, model.config.hidden_size, dtype=model.dtype, device=device)
-            self.longs = torch.zeros(3 * longest + MAX_PIECES, dtype=torch.long, device=device)
+            self.longs = torch.zeros(_LONG_FIELDS * longest + MAX_PIECES, dtype=torch.long, device=device)
             self.ints = torch.zeros(4 * _tile_capacity(longest) + MAX_PIECES * tables.shape[1],
                                     dtype=torch.int32, device=device)
 
+    def set_adapters(self, first: int, slots: Sequence[int]) -> None:
+        """Rows ``[first, first + len(slots))`` decode with these LoRA slots (the model has a LoRA bank)."""
+        self.adapters[first:first + len(slots)].copy_(host_to_device(slots, torch.long, self.adapters.device))
+
     def launch(self, rows: int, furthest: int, pieces: Sequence[Piece] = (), tokens: Sequence[int] | None = None,
                positions: Sequence[int] | None = None, *, full: bool = False, beam_rows: Tensor | None = None,
-               beams_from: int = 0) -> tuple[LaunchedStep | None, Tensor | None]:
+               beams_from: int = 0, lora: bool = True) -> tuple[LaunchedStep | None, Tensor | None]:
         """Queue a step for decode rows ``[0, rows)``, whose positions are all below ``furthest``, and ``pieces``.
 
         ``tokens`` and ``positions`` (one per row) replace the chooser's; ``full`` runs penalties, sampling and beam
         search (else an argmax); ``beam_rows`` (a device tensor) are the rows that first copy their parent's blocks
-        from position ``beams_from`` on (where beams of one prompt start to differ). Returns the decode rows' launched
-        choice (None without rows) and the logits after each piece's last position ``[len(pieces), V]`` (None
-        without pieces; valid until the next launch).
+        from position ``beams_from`` on (where beams of one prompt start to differ); ``lora``: some row or piece has
+        a LoRA adapter (else the step skips the LoRA products). Returns the decode rows' launched choice (None
+        without rows) and the logits after each piece's last position ``[len(pieces), V]`` (None without pieces;
+        valid until the next launch).
         """
         if tokens is not None:
             self.chooser.place(tokens, positions)
@@ -202,16 +211,17 @@ class ForwardStep:
             self._copy_beam_blocks(beam_rows, beams_from, furthest)
         tokens_in_chunk = sum(len(piece.embeds) for piece in pieces)
         full = full and rows > 0
+        lora = lora and self.adapters is not None
         if not self.enabled or len(pieces) > MAX_PIECES or tokens_in_chunk > self.chunk_buckets[-1]:
             chunk = self._chunk(pieces, tokens_in_chunk) if pieces else None
-            logits = self._compute(rows, chunk, full, span=furthest)
+            logits = self._compute(rows, chunk, full, furthest, lora)
             decoded = rows
         else:
             decoded = next(b for b in self.buckets if b >= rows) if rows else 0
             padded = next(c for c in self.chunk_buckets if c >= tokens_in_chunk) if pieces else 0
             if pieces:
                 self._fill(pieces, padded)
-            key = (decoded, padded, full)
+            key = (decoded, padded, full, lora)
             if key not in self.graphs:
                 self._capture(*key)
             graph, logits = self.graphs[key]
@@ -221,13 +231,14 @@ class ForwardStep:
         return launched, logits[decoded: decoded + len(pieces)] if pieces else None
 
     def capture_all(self) -> None:
-        """Capture every (row bucket, chunk bucket, choice) graph now, so no request waits for one later (before any
-        request: the captures run steps on the rows)."""
+        """Capture every (row bucket, chunk bucket, choice, LoRA) graph now, so no request waits for one later
+        (before any request: the captures run steps on the rows)."""
         for rows in [0, *self.buckets] if self.enabled else ():
             for padded in [0, *self.chunk_buckets]:
                 for full in ((False, True) if rows else (False,)):
-                    if (rows or padded) and (rows, padded, full) not in self.graphs:
-                        self._capture(rows, padded, full)
+                    for lora in (False, True) if self.adapters is not None else (False,):
+                        if (rows or padded) and (rows, padded, full, lora) not in self.graphs:
+                            self._capture(rows, padded, full, lora)
 
     @property
     def graph_count(self) -> int:
@@ -241,36 +252,39 @@ class ForwardStep:
             self.cache.copy_blocks_(self.tables[beam_rows, first:stop].flatten().long(),
                                     self.tables[parents, first:stop].flatten().long())
 
-    def _capture(self, rows: int, padded: int, full: bool) -> None:
+    def _capture(self, rows: int, padded: int, full: bool, lora: bool) -> None:
         # Capturing runs the step from the current state (writing each row's cache at its own position, as the
         # step will, and past it, where the next steps write): keep the state as it was.
         saved = self.chooser.snapshot()
         chunk = self._static_chunk(padded) if padded else None
-        self.graphs[(rows, padded, full)] = capture(lambda: self._compute(rows, chunk, full, span=0), self.pool)
+        self.graphs[(rows, padded, full, lora)] = capture(lambda: self._compute(rows, chunk, full, 0, lora),
+                                                          self.pool)
         self.chooser.restore(saved)
 
-    def _compute(self, rows: int, chunk: tuple[Chunk, Tensor, Tensor, Tensor] | None, full: bool,
-                 span: int) -> Tensor:
-        """Logits of the decode rows ``[rows, V]`` then of each piece's last position, the rows' tokens chosen."""
+    def _compute(self, rows: int, chunk: _ChunkInputs | None, full: bool, span: int, lora: bool = False) -> Tensor:
+        """Logits of the decode rows ``[rows, V]`` then of each piece's last position, the rows' tokens chosen.
+        The batch's tokens go through the model one per row (``[N, 1, H]``), so each has its own LoRA slot."""
         state = self.chooser.ints
-        embeds, positions = [], []
+        embeds, positions, adapters = [], [], []
         if rows:
             embeds.append(self.model.embed(state[TOKEN, :rows]))
             positions.append(state[POSITION, :rows])
+            adapters.append(self.adapters[:rows] if lora else None)
         output_index = None
         if chunk is not None:
-            chunk, chunk_embeds, chunk_positions, outputs = chunk
-            embeds.append(chunk_embeds)
-            positions.append(chunk_positions)
-            output_index = torch.cat([torch.arange(rows, device=outputs.device), rows + outputs])[None]
+            embeds.append(chunk.embeds)
+            positions.append(chunk.positions)
+            adapters.append(chunk.adapters)
+            output_index = torch.cat([torch.arange(rows, device=chunk.outputs.device), rows + chunk.outputs])
         batch = PagedBatch(self.cache, rows, self.tables, state[POSITION, :rows], span,
-                           self.splits.get(rows, 1), chunk)
-        logits = self.model(torch.cat(embeds)[None], torch.cat(positions)[None], batch, output_index=output_index)[0]
+                           self.splits.get(rows, 1), None if chunk is None else chunk.chunk)
+        logits = self.model(torch.cat(embeds)[:, None], torch.cat(positions)[:, None], batch,
+                            output_index=output_index, adapters=torch.cat(adapters) if lora else None)[:, 0]
         if rows:
             self.chooser.choose(logits[:rows], 0, full)
         return logits
 
-    def _chunk(self, pieces: Sequence[Piece], tokens: int) -> tuple[Chunk, Tensor, Tensor, Tensor]:
+    def _chunk(self, pieces: Sequence[Piece], tokens: int) -> _ChunkInputs:
         """The chunk's inputs on the device at exactly its size (eager steps)."""
         device = self.model.device
         tiles = _tile_count(pieces)
@@ -291,19 +305,35 @@ class ForwardStep:
             self.embeds[start: start + len(piece.embeds)].copy_(piece.embeds, non_blocking=True)
             start += len(piece.embeds)
 
-    def _static_chunk(self, padded: int) -> tuple[Chunk, Tensor, Tensor, Tensor]:
+    def _static_chunk(self, padded: int) -> _ChunkInputs:
         """Views of the static buffers as chunk bucket ``padded`` lays them out (what its graph reads)."""
         return _views(self.longs, self.ints, self.embeds[:padded], padded, MAX_PIECES, _tile_capacity(padded),
                       self.tables.shape[1], ())
 
 
+@dataclass
+class _ChunkInputs:
+    """A chunk's attention metadata and its per-token inputs: embeddings, positions, LoRA slots, and the index of
+    each piece's last token."""
+
+    chunk: Chunk
+    embeds: Tensor
+    positions: Tensor
+    adapters: Tensor
+    outputs: Tensor
+
+
+_LONG_FIELDS = 4  # per-token int64 fields of a chunk's metadata: positions, blocks, offsets, LoRA slots
+
+
 def _views(longs: Tensor, ints: Tensor, embeds: Tensor, tokens: int, sequences: int, tiles: int, width: int,
-           described: tuple[tuple[int, int, int], ...]) -> tuple[Chunk, Tensor, Tensor, Tensor]:
-    """The chunk, its embeddings, positions and last-token indices from buffers laid out as ``_describe`` does."""
-    positions, blocks, offsets = longs[:tokens], longs[tokens: 2 * tokens], longs[2 * tokens: 3 * tokens]
+           described: tuple[tuple[int, int, int], ...]) -> _ChunkInputs:
+    """The chunk's inputs from buffers laid out as ``_describe`` does."""
+    positions, blocks, offsets, adapters = (longs[field * tokens: (field + 1) * tokens] for field in range(4))
     chunk = Chunk(tables=ints[4 * tiles: 4 * tiles + sequences * width].view(sequences, width), blocks=blocks,
                   offsets=offsets, tiles=ints[: 4 * tiles].view(tiles, 4), sequences=described)
-    return chunk, embeds, positions, longs[3 * tokens: 3 * tokens + sequences]
+    end = _LONG_FIELDS * tokens
+    return _ChunkInputs(chunk, embeds, positions, adapters, longs[end: end + sequences])
 
 
 def _tile_count(pieces: Sequence[Piece]) -> int:
@@ -318,11 +348,12 @@ def _tile_capacity(tokens: int) -> int:
 def _describe(pieces: Sequence[Piece], tokens: int, sequences: int, tiles: int, width: int,
               block_size: int) -> tuple[Tensor, Tensor, tuple[tuple[int, int, int], ...]]:
     """The chunk's metadata on the host, padded to ``tokens`` tokens, ``sequences`` pieces and ``tiles`` tiles:
-    int64 ``[positions | blocks | offsets (tokens each) | last token of each piece (sequences)]`` and int32
-    ``[tiles x (piece or -1, first, count, start) | block tables (sequences x width)]``; and per piece
+    int64 ``[positions | blocks | offsets | LoRA slots (tokens each) | last token of each piece (sequences)]`` and
+    int32 ``[tiles x (piece or -1, first, count, start) | block tables (sequences x width)]``; and per piece
     ``(first, count, start)``."""
     positions = torch.zeros(tokens, dtype=torch.long)
     blocks = torch.zeros(tokens, dtype=torch.long)
+    adapters = torch.zeros(tokens, dtype=torch.long)
     outputs = torch.zeros(sequences, dtype=torch.long)
     tile_rows = torch.full((tiles, 4), -1, dtype=torch.int32)
     tables = torch.zeros(sequences, width, dtype=torch.int32)
@@ -334,6 +365,7 @@ def _describe(pieces: Sequence[Piece], tokens: int, sequences: int, tiles: int, 
         span = torch.arange(piece.start, piece.start + count)
         positions[first: first + count] = span
         blocks[first: first + count] = table[span // block_size]
+        adapters[first: first + count] = piece.adapter
         outputs[index] = first + count - 1
         tables[index, : len(table)] = table.to(torch.int32)
         for offset in range(0, count, CHUNK_TILE):
@@ -342,8 +374,7 @@ def _describe(pieces: Sequence[Piece], tokens: int, sequences: int, tiles: int, 
             tile += 1
         described.append((first, count, piece.start))
         first += count
-    blocks[first:] = 0  # padding writes to the null block
-    longs = torch.cat([positions, blocks, positions % block_size, outputs])
+    longs = torch.cat([positions, blocks, positions % block_size, adapters, outputs])
     return longs, torch.cat([tile_rows.flatten(), tables.flatten()]), tuple(described)
 
 

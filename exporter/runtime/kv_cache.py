@@ -111,12 +111,12 @@ def calibrated_kv_scales(model: Decoder, prompt: Tensor | None = None) -> Tensor
         return kv_scales_from_amax(cache.data[:, :, 0].abs().amax(dim=(2, 4)))
 
 
-def prefix_keys(content: Sequence[Hashable | None], block_size: int) -> list[bytes]:
+def prefix_keys(content: Sequence[Hashable | None], block_size: int, salt: str = "") -> list[bytes]:
     """The chained keys of a prompt's full blocks: key i covers every position before and in block i. `content` is
     one item per position: a token id, or for a media feature its media's key and offset; None where unknown (the
-    keys stop before the block holding it)."""
+    keys stop before the block holding it). `salt` names what else changes the keys and values (a LoRA adapter)."""
     keys: list[bytes] = []
-    previous = b""
+    previous = salt.encode()
     for start in range(0, len(content) - block_size + 1, block_size):
         block = tuple(content[start:start + block_size])
         if any(item is None for item in block):

@@ -26,13 +26,14 @@ from .scheduler import Handle, Scheduler
 @dataclass
 class Request:
     """One prompt: ``media`` is one item or a list (path, PIL image, uint8 array or encoded bytes); ``system``
-    replaces the chat template's system prompt."""
+    replaces the chat template's system prompt; ``lora_uid`` names the LoRA adapter it is answered with."""
 
     text: str
     media: Any = None
     params: SamplingParams = field(default_factory=SamplingParams)
     apply_chat_template: bool = True
     system: str | None = None
+    lora_uid: str | None = None
 
 
 @dataclass
@@ -53,6 +54,7 @@ class _Prepared:
     layout: PromptLayout
     params: SamplingParams
     prefix: list
+    lora_uid: str | None
 
 
 class Pipeline:
@@ -153,14 +155,15 @@ class Pipeline:
                 params = replace(request.params,
                                  stop_token_ids=tuple({*request.params.stop_token_ids, *self.stop_token_ids}))
                 keys = [item.key for item in media_items[i]]
-                results[i] = _Prepared(self._embed(layout), layout, params, prompt_prefix(layout, keys))
+                results[i] = _Prepared(self._embed(layout), layout, params, prompt_prefix(layout, keys),
+                                       request.lora_uid)
             except Exception as error:  # noqa: BLE001 - reported per request
                 results[i] = error
         return results  # type: ignore[return-value]
 
     def _submit(self, prepared: _Prepared, on_token=None) -> Handle:
         return self.scheduler.submit(prepared.embeds, prepared.layout.token_ids(), prepared.params, on_token,
-                                     prefix=prepared.prefix)
+                                     prepared.lora_uid, prefix=prepared.prefix)
 
     def _load_media(self, media: Any) -> list[_MediaItem]:
         """Each media item's cache key and cached block, and its encoder input unless every item was cached."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import secrets
 import threading
 import time
@@ -63,6 +64,8 @@ class Handle:
     beams: list[list[int]] = field(default_factory=list)  # a beam search's hypotheses, best first
     error: BaseException | None = None
     cancelled: bool = False
+    adapter: int = 0  # the LoRA slot its rows decode with (0: none)
+    release_adapter: Callable[[], None] | None = None  # gives the LoRA slot back when the request ends
     submitted_at: float = field(default_factory=time.monotonic)  # time.monotonic() of each milestone
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -97,6 +100,9 @@ class Handle:
         return self.beams if self.params.num_beams > 1 else [tokens]
 
     def _finish(self, error: BaseException | None = None) -> None:
+        if self.release_adapter is not None:
+            self.release_adapter()
+            self.release_adapter = None
         self.error = self.error or error
         self.finished_at = time.monotonic()
         self._finished.set()
@@ -240,12 +246,14 @@ class Scheduler:
     # --- submission -------------------------------------------------------------------------------------------
 
     def submit(self, prompt: Tensor, prompt_ids: list[int], params: SamplingParams,
-               on_token: TokenCallback | None = None, prefix: Sequence[Hashable | None] | None = None) -> Handle:
+               on_token: TokenCallback | None = None, lora_uid: str | None = None,
+               prefix: Sequence[Hashable | None] | None = None) -> Handle:
         """Queue one request: ``prompt [T, H]`` embeddings and the ids behind them (-1 at media features).
 
-        ``on_token(id)`` is called with each kept token in order (never EOS; one sequence only). ``prefix`` names
-        what each prompt position holds (a token id, or a media item's key and the feature's offset; None where
-        unknown) so that blocks of an identical prefix are shared with other requests; None shares nothing.
+        ``on_token(id)`` is called with each kept token in order (never EOS; one sequence only). ``lora_uid``: the
+        LoRA adapter of the model's bank it decodes with (an unknown one is a ValueError). ``prefix`` names what
+        each prompt position holds (a token id, or a media item's key and the feature's offset; None where unknown)
+        so that blocks of an identical prefix (and adapter) are shared with other requests; None shares nothing.
         """
         check_requests(self.model, [prompt], [prompt_ids], [params], self.tokenizer)
         if params.num_beams > self.max_beam_width:
@@ -265,8 +273,14 @@ class Scheduler:
                              f"{len(prompt)} + max_output_len {params.max_output_len}, {params.num_beams} beam(s)) "
                              f"and the whole cache has {self.pool.capacity}; raise kv_cache_free_gpu_mem_fraction "
                              "(or kv_cache_bytes), or ask for fewer tokens")
-        keys = prefix_keys(prefix, self.block_size) if prefix is not None and self.reuse else []
+        keys = prefix_keys(prefix, self.block_size, salt=lora_uid or "") if prefix is not None and self.reuse else []
         handle = Handle(prompt, list(prompt_ids), params, on_token, block_keys=keys)
+        if lora_uid is not None:
+            bank = self.model.lora
+            if bank is None:
+                raise ValueError(f"LoRA adapter {lora_uid!r} asked for, but this model serves no LoRA adapters")
+            handle.adapter = bank.acquire(lora_uid)
+            handle.release_adapter = functools.partial(bank.release, handle.adapter)
         with self._wake:
             self.waiting.append(handle)
             self._wake.notify()
@@ -366,8 +380,9 @@ class Scheduler:
             rows_of_beams = [row for request in searches for row in request.rows]
             beam_rows = self._beam_rows_tensor(rows_of_beams) if rows_of_beams else None
             beams_from = min((len(request.handle.prompt) for request in searches), default=0)
+        lora = any(request.handle.adapter for request in decoding) or any(piece.adapter for _, piece in pieces)
         decode, piece_logits = self.forward.launch(rows, furthest, [piece for _, piece in pieces], full=full,
-                                                   beam_rows=beam_rows, beams_from=beams_from)
+                                                   beam_rows=beam_rows, beams_from=beams_from, lora=lora)
         if decode is not None:
             self.decode_steps += 1
             self.steps_queued_ahead += any(launched.decode for launched in self._inflight)
@@ -498,7 +513,8 @@ class Scheduler:
             while count > smallest and chunk_cost(count, start, self.key_equivalent) > budget:
                 count = max(smallest, int(count * budget / chunk_cost(count, start, self.key_equivalent)))
             budget -= chunk_cost(count, start, self.key_equivalent)
-            pieces.append((request, Piece(prompt[start:start + count], start, request.blocks.tables[0])))
+            pieces.append((request, Piece(prompt[start:start + count], start, request.blocks.tables[0],
+                                          request.handle.adapter)))
         return pieces
 
     def _prefilled(self, request: _Running, count: int) -> None:
@@ -523,6 +539,8 @@ class Scheduler:
             self.cache.copy_blocks_(host_to_device([table[last] for table in tables[1:]], torch.long, device),
                                     host_to_device([tables[0][last]] * (width - 1), torch.long, device))
         self.tables.set(first, tables)
+        if self.model.lora is not None:
+            self.forward.set_adapters(first, [request.handle.adapter] * width)
         scores = [0.0] + [float("-inf")] * (width - 1)
         self.chooser.set_rows(first, self._row_setups(request, len(request.handle.prompt) - 1, scores, [0] * width))
         self.chooser.set_ids(self.chooser.seen, first, [self._prompt_ids(request)] * width)
@@ -590,10 +608,11 @@ class Scheduler:
                      for beam, score in zip(search.beams, search.scores)]
         length = len(request.handle.prompt)
         device = self.model.device
-        pieces = [Piece(self.model.embed(host_to_device(beam[:-1], torch.long, device)), length, table)
+        pieces = [Piece(self.model.embed(host_to_device(beam[:-1], torch.long, device)), length, table,
+                        request.handle.adapter)
                   for beam, table in zip(sequences, request.blocks.tables) if len(beam) > 1]
         if pieces:
-            self.forward.launch(0, 0, pieces)
+            self.forward.launch(0, 0, pieces, lora=bool(request.handle.adapter))
         position = length + len(sequences[0]) - 1
         self.chooser.set_rows(request.first_row, self._row_setups(request, position, search.scores,
                                                                   [beam[-1] for beam in sequences]))
