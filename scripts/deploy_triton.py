@@ -8,17 +8,21 @@ command line override the config. With `--visual_checkpoint` the checkpoint is e
 
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
-import tempfile
-from pathlib import Path
+import time
 
-from omegaconf import OmegaConf
+STARTED = time.perf_counter()  # READY is logged as the time since here, imports included
 
-from deploy import DeployPyTriton
-from deploy.startup import DeployError, check_model_repository, check_port_free
-from wire import MODEL_TYPE_MODALITY, modality_of, stream_model_name
+import argparse  # noqa: E402
+import logging  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from deploy import DeployPyTriton  # noqa: E402
+from deploy.startup import DeployError, check_model_repository, check_port_free  # noqa: E402
+from wire import MODEL_TYPE_MODALITY, modality_of, stream_model_name  # noqa: E402
 
 LOGGER = logging.getLogger("deploy_triton")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -340,6 +344,7 @@ def _checkpoint_error() -> type[Exception]:
 def main(argv: list[str] | None = None) -> int:
     """Run the script; returns the exit status (0 after a clean stop, 1 on an error explained on stderr)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    LOGGER.info("phase imports: %.2f s", time.perf_counter() - STARTED)
     try:
         settings = parse_settings(argv)
         address = settings.triton_http_address
@@ -347,8 +352,11 @@ def main(argv: list[str] | None = None) -> int:
         check_port_free(address, settings.grpc_port, "gRPC", "--grpc_port")
         if settings.openai_port is not None:
             check_port_free(settings.openai_address or address, settings.openai_port, "OpenAI API", "--openai_port")
+        model = build_deployable(settings)
+        from exporter.engine.progress import phase  # the exporter is imported by now
+
         deployer = DeployPyTriton(
-            model=build_deployable(settings),
+            model=model,
             triton_model_name=settings.triton_model_name,
             triton_model_version=settings.triton_model_version,
             max_batch_size=settings.max_batch_size,
@@ -358,9 +366,11 @@ def main(argv: list[str] | None = None) -> int:
             streaming=settings.streaming,
             metrics_port=settings.metrics_port,
         )
-        deployer.deploy()
+        with phase("warm-up request", LOGGER):
+            deployer.deploy()
         try:
-            deployer.run()  # Triton is up: the OpenAI front says ready only now
+            with phase("Triton start", LOGGER):
+                deployer.run()  # Triton is up: the OpenAI front says ready only now
             openai_server = start_openai_server(settings, deployer)
         except (DeployError, ValueError):
             deployer.stop()
@@ -376,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.triton_port,
         settings.grpc_port,
     )
+    LOGGER.info("READY %.2f s after the process started", time.perf_counter() - STARTED)
     try:
         deployer.serve()
     except DeployError as error:

@@ -136,7 +136,7 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
         "limits": limits.to_dict(),
         "features_per_item": perception_facts["features_per_item"],
         "source": described_source,
-        "package_version": _package_version(),
+        "package_version": package_version(),
         "files": files,
     }
     (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -182,7 +182,8 @@ def _hashing_sources(*paths: str | Path | None) -> Iterator[Future]:
         pool.shutdown(wait=False)
 
 
-def _package_version() -> str:
+def package_version() -> str:
+    """This package's installed version ("unknown" when run from a source tree that is not installed)."""
     try:
         return metadata.version("nemo-mm-deploy")
     except metadata.PackageNotFoundError:

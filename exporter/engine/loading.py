@@ -21,6 +21,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -100,21 +101,43 @@ def _to_cuda(descriptor: int, data_start: int, size: int, device: torch.device, 
     target = torch.empty(total, dtype=torch.uint8, device=device)
     if not total:
         return target
+    staging = [torch.empty(min(CHUNK_BYTES, total), dtype=torch.uint8, pin_memory=True)
+               for _ in range(min(PINNED_BUFFERS, -(-total // CHUNK_BYTES)))]
+    stream = torch.cuda.Stream(device)
+
+    def put(offset: int, chunk: torch.Tensor) -> torch.cuda.Event:
+        with torch.cuda.stream(stream):
+            target[offset:offset + len(chunk)].copy_(chunk, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    stream_chunks(descriptor, data_start, total, staging, put, digest, progress, stats)
+    stream.synchronize()
+    return target
+
+
+def stream_chunks(descriptor: int, data_start: int, total: int, staging: list[torch.Tensor],
+                  put: Callable[[int, torch.Tensor], Any], digest=None, progress: Callable[[int], None] | None = None,
+                  stats: LoadStats | None = None) -> None:
+    """Read bytes `[data_start, data_start + total)` of a file chunk by chunk into the `staging` buffers (uint8,
+    one reader thread each) and hand each chunk, in file order, to `put(offset in the data, chunk)`, which starts
+    its copy and returns what to `synchronize()` on before that buffer is read into again. The digest is fed in
+    order."""
+    chunk_bytes = len(staging[0])
+    chunks = [(offset, min(chunk_bytes, total - offset)) for offset in range(0, total, chunk_bytes)]
+    slots = len(staging)
+    released: list[Any] = [None] * slots
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(descriptor, data_start, total, os.POSIX_FADV_SEQUENTIAL)
-    chunks = [(offset, min(CHUNK_BYTES, total - offset)) for offset in range(0, total, CHUNK_BYTES)]
-    slots = min(PINNED_BUFFERS, len(chunks))
-    pinned = [torch.empty(min(CHUNK_BYTES, total), dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
-    copied: list[torch.cuda.Event | None] = [None] * slots
-    stream = torch.cuda.Stream(device)
 
     def read(index: int) -> float:
         slot = index % slots
-        if copied[slot] is not None:
-            copied[slot].synchronize()  # the chunk this buffer held is on the device
+        if released[slot] is not None:
+            released[slot].synchronize()  # the chunk this buffer held has been copied out
         offset, length = chunks[index]
         began = time.perf_counter()
-        view = memoryview(pinned[slot].numpy())[:length]
+        view = memoryview(staging[slot].numpy())[:length]
         filled = 0
         while filled < length:
             got = os.preadv(descriptor, [view[filled:]], data_start + offset + filled)
@@ -124,19 +147,16 @@ def _to_cuda(descriptor: int, data_start: int, size: int, device: torch.device, 
         return time.perf_counter() - began
 
     with ThreadPoolExecutor(slots, thread_name_prefix="engine-reader") as pool:
-        reads: dict[int, Future] = {i: pool.submit(read, i) for i in range(slots)}
+        reads: dict[int, Future] = {i: pool.submit(read, i) for i in range(min(slots, len(chunks)))}
         for index, (offset, length) in enumerate(chunks):
-            stats.read_seconds += reads.pop(index).result()
-            slot = index % slots
+            seconds = reads.pop(index).result()
+            if stats is not None:
+                stats.read_seconds += seconds
+            chunk = staging[index % slots][:length]
             if digest is not None:
-                digest.update(memoryview(pinned[slot].numpy())[:length])
-            with torch.cuda.stream(stream):
-                target[offset:offset + length].copy_(pinned[slot][:length], non_blocking=True)
-                event = copied[slot] = torch.cuda.Event()
-                event.record(stream)
+                digest.update(memoryview(chunk.numpy()))
+            released[index % slots] = put(offset, chunk)
             if index + slots < len(chunks):
                 reads[index + slots] = pool.submit(read, index + slots)
             if progress is not None:
                 progress(length)
-        stream.synchronize()
-    return target
