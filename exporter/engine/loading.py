@@ -31,7 +31,7 @@ LOGGER = logging.getLogger(__name__)
 
 CHUNK_BYTES = 64 << 20
 PINNED_BUFFERS = 4
-HASH_BLOCK_BYTES = 64 << 20
+HASH_BLOCK_BYTES = 8 << 20  # CPU: read and hashed two blocks at a time
 
 
 @dataclass
@@ -80,17 +80,16 @@ def _view(data: torch.Tensor, entry: Entry) -> torch.Tensor:
 
 
 def _mapped(descriptor: int, data_start: int, size: int, digest, progress) -> torch.Tensor:
-    """The data section of the file as a uint8 tensor over a private mapping (hashed through, if asked)."""
+    """The data section of the file as a uint8 tensor over a private mapping. With a digest the file is hashed by
+    reads (which also fill the page cache), not through the mapping: the process's own pages stay untouched."""
+    if digest is not None:
+        blocks = [torch.empty(max(1, min(HASH_BLOCK_BYTES, size - data_start)), dtype=torch.uint8) for _ in range(2)]
+        stream_chunks(descriptor, data_start, size - data_start, blocks, lambda *_: None, digest, progress)
+    elif progress is not None:
+        progress(size - data_start)
     if size == data_start:
         return torch.empty(0, dtype=torch.uint8)
     mapping = mmap.mmap(descriptor, size, access=mmap.ACCESS_COPY)
-    view = memoryview(mapping)
-    for block in range(data_start, size, HASH_BLOCK_BYTES):
-        if digest is not None:
-            digest.update(view[block:block + HASH_BLOCK_BYTES])
-        if progress is not None:
-            progress(min(HASH_BLOCK_BYTES, size - block))
-    view.release()
     return torch.frombuffer(mapping, dtype=torch.uint8, offset=data_start, count=size - data_start)
 
 
@@ -122,8 +121,8 @@ def stream_chunks(descriptor: int, data_start: int, total: int, staging: list[to
                   stats: LoadStats | None = None) -> None:
     """Read bytes `[data_start, data_start + total)` of a file chunk by chunk into the `staging` buffers (uint8,
     one reader thread each) and hand each chunk, in file order, to `put(offset in the data, chunk)`, which starts
-    its copy and returns what to `synchronize()` on before that buffer is read into again. The digest is fed in
-    order."""
+    its copy and returns what to `synchronize()` on before that buffer is read into again (None: nothing). The
+    digest is fed in order."""
     chunk_bytes = len(staging[0])
     chunks = [(offset, min(chunk_bytes, total - offset)) for offset in range(0, total, chunk_bytes)]
     slots = len(staging)
