@@ -189,7 +189,6 @@ def test_loading_engine_weights_on_cpu_copies_nothing(tmp_path, tiny_gpt_weights
                           check=False, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert done.returncode == 0, done.stderr
     grown = json.loads(done.stdout.strip().splitlines()[-1])
-    print(grown, size)
     assert size >= 500 * MB
     assert grown["anon"] < 0.2 * size + 100 * MB, f"anonymous memory grew {grown['anon'] / MB:.0f} MB"
     assert grown["peak"] < 1.2 * size + 150 * MB, f"peak grew {grown['peak'] / MB:.0f} MB for {size / MB:.0f} MB"
