@@ -92,35 +92,35 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
             checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
             config = checkpoint.config
             weights = checkpoint.state_dict()
-
-        with phase("perception"):
-            encoder = kind.build_perception(config, weights, dtype=torch.float32 if target == torch.float32 else target,
-                                            vision_tower_path=vision_tower_path, audio_frontend=audio_frontend)
-            perception_facts = kind.save_perception(encoder, model_dir / kind.perception_dir, config,
-                                                    video_frame_sampling=video_frame_sampling)
-            limits.check_export(perception_facts["features_per_item"])
-            if export_onnx:
-                kind.export_onnx(encoder, model_dir / kind.perception_dir)
-            del encoder
-
-        llm_checkpoint = checkpoint
-        if llm_checkpoint_path is not None:
+        if llm_checkpoint_path is None:
+            merge_lora(weights, config)  # in place, before the perception's thread reads `weights`
+        with ThreadPoolExecutor(1, thread_name_prefix="perception-export") as pool:
+            # the perception is built and written while the LLM weights are written (mostly outside the GIL)
+            perception = pool.submit(_write_perception, kind, model_dir / kind.perception_dir, config, weights,
+                                     target, limits, vision_tower_path=vision_tower_path,
+                                     audio_frontend=audio_frontend, video_frame_sampling=video_frame_sampling,
+                                     export_onnx=export_onnx)
+            llm_checkpoint = checkpoint
+            if llm_checkpoint_path is None:
+                llm_weights = select_llm_weights(weights)
+            else:
+                with phase("read the LLM checkpoint"):
+                    llm_checkpoint = NemoCheckpoint(llm_checkpoint_path, rename_keys=rename_keys)
+                    llm_weights = select_llm_weights(merge_lora(llm_checkpoint.state_dict(), llm_checkpoint.config))
             del weights
-            with phase("read the LLM checkpoint"):
-                llm_checkpoint = NemoCheckpoint(llm_checkpoint_path, rename_keys=rename_keys)
-                weights = llm_checkpoint.state_dict()
-        llm_weights = select_llm_weights(merge_lora(weights, llm_checkpoint.config))
-        del weights
-        if not llm_weights:
-            raise EngineError(f"{llm_checkpoint.path} holds no LLM weights; give the LLM checkpoint as "
-                              "llm_checkpoint_path (-lc/--llm_checkpoint)")
-        tokenizer = llm_checkpoint.tokenizer(tokenizer_path=tokenizer_path)
-        llm_config, llm_sha256 = _write_llm(
-            model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target,
-            None if quantizer is None else lambda config, w: quantizer.apply(config, w, tokenizer))
-        tokenizer_description = tokenizer.save(model_dir / LLM_DIR)
-        (model_dir / LLM_DIR / "tokenizer_description.json").write_text(json.dumps(tokenizer_description, indent=2))
-        (model_dir / LLM_DIR / "template.json").write_text(json.dumps(kind.chat_template(config).to_dict(), indent=2))
+            if not llm_weights:
+                raise EngineError(f"{llm_checkpoint.path} holds no LLM weights; give the LLM checkpoint as "
+                                  "llm_checkpoint_path (-lc/--llm_checkpoint)")
+            tokenizer = llm_checkpoint.tokenizer(tokenizer_path=tokenizer_path)
+            llm_config, llm_sha256 = _write_llm(
+                model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target,
+                None if quantizer is None else lambda config, w: quantizer.apply(config, w, tokenizer))
+            tokenizer_description = tokenizer.save(model_dir / LLM_DIR)
+            (model_dir / LLM_DIR / "tokenizer_description.json").write_text(
+                json.dumps(tokenizer_description, indent=2))
+            (model_dir / LLM_DIR / "template.json").write_text(
+                json.dumps(kind.chat_template(config).to_dict(), indent=2))
+            perception_facts = perception.result()
         with phase("hash the checkpoint (the rest of it)"):
             described_source = source.result()
 
@@ -141,6 +141,20 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
     }
     (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
+
+
+def _write_perception(kind, folder: Path, config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                      limits: EngineLimits, *, vision_tower_path: str | None, audio_frontend: str | None,
+                      video_frame_sampling: str | None, export_onnx: bool) -> dict[str, Any]:
+    """Build the model type's perception from `weights` (read only) and write it into `folder`; its facts."""
+    with phase("perception"):
+        encoder = kind.build_perception(config, weights, dtype=torch.float32 if dtype == torch.float32 else dtype,
+                                        vision_tower_path=vision_tower_path, audio_frontend=audio_frontend)
+        facts = kind.save_perception(encoder, folder, config, video_frame_sampling=video_frame_sampling)
+        limits.check_export(facts["features_per_item"])
+        if export_onnx:
+            kind.export_onnx(encoder, folder)
+    return facts
 
 
 def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype,
