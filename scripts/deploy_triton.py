@@ -13,9 +13,13 @@ import time
 STARTED = time.perf_counter()  # READY is logged as the time since here, imports included
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import logging  # noqa: E402
+import os  # noqa: E402
+import queue  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from omegaconf import OmegaConf  # noqa: E402
@@ -25,6 +29,8 @@ from deploy.startup import DeployError, check_model_repository, check_port_free 
 from wire import MODEL_TYPE_MODALITY, modality_of, stream_model_name  # noqa: E402
 
 LOGGER = logging.getLogger("deploy_triton")
+PREFETCH_THREADS = 4
+PREFETCH_BLOCK_BYTES = 64 << 20
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 LLM_MODEL_TYPES = ("gptnext", "gpt", "llama", "falcon", "starcoder", "mixtral", "gemma")
@@ -249,6 +255,7 @@ def build_deployable(settings: argparse.Namespace):
     repository = Path(settings.triton_model_repository)
     if not exporting:
         check_model_repository(repository)
+        prefetch_engine(repository)
     try:
         from exporter import TensorRTMMExporter
     except ImportError as error:
@@ -267,6 +274,48 @@ def build_deployable(settings: argparse.Namespace):
     except (OSError, ValueError, RuntimeError, _checkpoint_error()) as error:
         raise DeployError(f"{step} failed: {type(error).__name__}: {error}") from error
     return exporter
+
+
+def prefetch_engine(repository: Path) -> None:
+    """Read the engine's files (largest first) into the page cache on background threads, so that a cold start
+    reads the disk while the exporter is imported and CUDA starts, and the load then reads memory. Best effort:
+    skipped when the files would not fit in the available memory; read errors are left to the load."""
+    try:
+        files = json.loads((repository / "manifest.json").read_text())["files"]
+        sizes = {repository / name: int(record["size"]) for name, record in files.items()}
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
+        return
+    if sum(sizes.values()) > available // 2:
+        return
+    blocks: queue.SimpleQueue = queue.SimpleQueue()
+    for path, size in sorted(sizes.items(), key=lambda item: -item[1]):
+        for offset in range(0, size, PREFETCH_BLOCK_BYTES):
+            blocks.put((path, offset))
+    started, running = time.perf_counter(), [PREFETCH_THREADS]
+    lock = threading.Lock()
+
+    def read() -> None:
+        buffer = bytearray(PREFETCH_BLOCK_BYTES)
+        while True:
+            try:
+                path, offset = blocks.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                with open(path, "rb", buffering=0) as stream:
+                    os.preadv(stream.fileno(), [buffer], offset)
+            except OSError:
+                pass
+        with lock:
+            running[0] -= 1
+            if not running[0]:
+                LOGGER.info("phase prefetch the engine files (in the background): %.2f s (%.2f GB)",
+                            time.perf_counter() - started, sum(sizes.values()) / 1e9)
+
+    for _ in range(PREFETCH_THREADS):
+        threading.Thread(target=read, name="engine-prefetch", daemon=True).start()
 
 
 def _export_arguments(settings: argparse.Namespace) -> dict:
