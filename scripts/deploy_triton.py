@@ -20,6 +20,7 @@ import queue  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import threading  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from omegaconf import OmegaConf  # noqa: E402
@@ -283,6 +284,13 @@ def build_deployable(settings: argparse.Namespace):
     return exporter
 
 
+def timed(phase: str, action: Callable[[], object]) -> None:
+    """Run `action`, then log the phase's time as the exporter logs its own phases."""
+    started = time.perf_counter()
+    action()
+    LOGGER.info("phase %s: %.2f s", phase, time.perf_counter() - started)
+
+
 def prefetch_engine(repository: Path) -> None:
     """Read the engine's files (largest first) into the page cache on background threads, so that a cold start
     reads the disk while the exporter is imported and CUDA starts, and the load then reads memory. Best effort:
@@ -410,11 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         check_port_free(address, settings.grpc_port, "gRPC", "--grpc_port")
         if settings.openai_port is not None:
             check_port_free(settings.openai_address or address, settings.openai_port, "OpenAI API", "--openai_port")
-        model = build_deployable(settings)
-        from exporter.engine.progress import phase  # the exporter is imported by now
-
         deployer = DeployPyTriton(
-            model=model,
+            model=build_deployable(settings),
             triton_model_name=settings.triton_model_name,
             triton_model_version=settings.triton_model_version,
             max_batch_size=settings.max_batch_size,
@@ -424,11 +429,9 @@ def main(argv: list[str] | None = None) -> int:
             streaming=settings.streaming,
             metrics_port=settings.metrics_port,
         )
-        with phase("warm-up request", LOGGER):
-            deployer.deploy()
+        timed("warm-up request", deployer.deploy)
         try:
-            with phase("Triton start", LOGGER):
-                deployer.run()  # Triton is up: the OpenAI front says ready only now
+            timed("Triton start", deployer.run)  # Triton is up: the OpenAI front says ready only now
             openai_server = start_openai_server(settings, deployer)
         except (DeployError, ValueError):
             deployer.stop()

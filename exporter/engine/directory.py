@@ -95,18 +95,18 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
     computed on ``device``; ``calib_data``: int4_awq's calibration prompts (a text file, one per line). ``lora``:
     the LoRA adapters served per request (stored in the engine); ``merged_lora``: one adapter merged into the
     weights instead (its checkpoint's other fine-tuned tensors, a projector say, replace the base's).
-    The checkpoints' sha256 is taken on a thread of its own meanwhile (its reads run ahead of the weights' reads,
-    which then come from the page cache)."""
+    Once the checkpoint is read, its sha256 is taken on a thread of its own (from the page cache, mostly) while the
+    perception and the LLM weights are written."""
     kind = get_model_type(model_type)
     quantizer = None if quantization is None and calib_data is None else \
         ExportQuantization.from_options(quantization, calib_data, device)
     target = torch_dtype(dtype)
     limits = limits or EngineLimits()
+    with phase("read the checkpoint"):
+        checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
+        config = checkpoint.config
+        weights = checkpoint.state_dict()
     with _hashing_sources(visual_checkpoint_path, llm_checkpoint_path) as source:
-        with phase("read the checkpoint"):
-            checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
-            config = checkpoint.config
-            weights = checkpoint.state_dict()
         if merged_lora is not None:
             merge_extra(weights, merged_lora)
         if llm_checkpoint_path is None:
