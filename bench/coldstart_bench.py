@@ -57,6 +57,7 @@ WORDS = {"full": 32000, "mid": 32000, "tiny": 300}
 LIMITS = {"max_batch_size": 8, "max_input_len": 2048, "max_output_len": 256}
 TINY_LIMITS = {"max_batch_size": 2, "max_input_len": 256, "max_output_len": 16}
 PHASE_LINE = re.compile(r"phase (.+?): ([0-9.]+) s(?: \((.*)\))?$")
+COMPILE_CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 STEADY_OF = 3  # steady latency: the median of the last requests (the first ones may meet fresh Triton instances)
 READY_LINE = re.compile(r"READY ([0-9.]+) s after the process started")
 
@@ -176,6 +177,8 @@ def serve_and_query(engine: Path, device: str, limits: dict, log: Path, image_si
                "-tha", "127.0.0.1", "-trp", str(ports[0]), "--grpc_port", str(ports[1]),
                "--metrics_port", str(ports[2]), "-mbs", str(limits["max_batch_size"]), "--device", device]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    for variable in COMPILE_CACHE_VARIABLES:  # compiled kernels come from the engine's .cache/ or nowhere
+        env.pop(variable, None)
     with log.open("w") as out:
         started = time.perf_counter()
         server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -326,7 +329,7 @@ def report(result: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     size = parser.add_mutually_exclusive_group()
-    size.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU (checks the script, no timing value)")
+    size.add_argument("--tiny", action="store_true", help="a tiny shape on the CPU: checks the script, times nothing")
     size.add_argument("--mid", action="store_true", help="1.5 GB of LLM weights on the CPU")
     parser.add_argument("--no-serve", action="store_true", help="export and weight loading only (no server)")
     parser.add_argument("--workdir", default=None, help="where the .nemo and the engine are written (default: $TMPDIR)")

@@ -133,7 +133,7 @@ class KernelCache:
 def _tuned_entries(kernel: Any) -> list[list]:
     """`[[autotune key as a list, config as text], ...]` of an autotuned kernel (keys JSON cannot hold left out)."""
     cache = getattr(kernel, "cache", None) or {}
-    return [[list(key), str(config)] for key, config in cache.items()
+    return [[list(key), str(config)] for key, config in list(cache.items())
             if isinstance(key, tuple) and all(isinstance(item, _KEY_ITEM_TYPES) for item in key)]
 
 

@@ -72,7 +72,7 @@ def key_text(key: tuple) -> str:
 def choices(remembered: bool = False) -> dict[str, str]:
     """Which candidate each key (weight shape and dtype, and for quantized weights the method and row bucket)
     uses, for reports; with `remembered`, also the choices handed to `remember` that this run did not use."""
-    made = {key_text(key): name for key, name in _CHOICES.items()}
+    made = {key_text(key): name for key, name in list(_CHOICES.items())}  # a snapshot: another thread may add
     return {**_KNOWN, **made} if remembered else made
 
 
