@@ -32,7 +32,7 @@ LOGGER = logging.getLogger(__name__)
 CHUNK_BYTES = 64 << 20
 GPU_ALIGNMENT = 16
 PINNED_BUFFERS = 4
-HASH_BLOCK_BYTES = 8 << 20  # CPU: read and hashed two blocks at a time
+HASH_BLOCK_BYTES = 32 << 20  # CPU: read and hashed two blocks at a time
 
 
 @dataclass
