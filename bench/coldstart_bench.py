@@ -38,13 +38,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from serve_bench import LLAVA_SHAPE, make_words, write_llava_nemo  # noqa: E402
+
 MODEL = "coldstart"
 BEFORE = {"export_s": 35.0, "first_start_s": 44.0, "first_request_s": 0.85}  # issue 20, H100, one process
 SHAPES = {
-    "full": {"vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
-                            image_size=336, patch_size=14),
-             "llm": dict(vocab_size=32064, hidden_size=4096, ffn_hidden_size=11008, num_layers=32,
-                         num_attention_heads=32)},
+    "full": LLAVA_SHAPE,
     "mid": {"vision": dict(hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
                            image_size=336, patch_size=14),
             "llm": dict(vocab_size=32064, hidden_size=2048, ffn_hidden_size=5632, num_layers=12,
@@ -244,8 +243,6 @@ def server_phases(log: str) -> dict[str, str]:
 
 def run(args: argparse.Namespace) -> dict:
     import torch
-
-    from serve_bench import make_words, write_llava_nemo
 
     shape_name = "tiny" if args.tiny else "mid" if args.mid else "full"
     device = "cuda" if torch.cuda.is_available() and not (args.tiny or args.mid) else "cpu"
