@@ -27,6 +27,8 @@ from wire import (
 )
 
 from .engine import Engine, EngineLimits, LoraOptions, export_engine, load_engine, read_manifest
+from .engine.kernel_cache import KernelCache
+from .engine.progress import phase
 from .llm.generate import SamplingParams
 from .llm.lora_layers import LoraBank
 from .lora import LoraError, plan_lora, read_adapter, read_adapters
@@ -176,9 +178,17 @@ class TensorRTMMExporter(ITritonDeployable):
                                        f"not {self.modality!r}")
         if self.pipeline is not None:
             self.pipeline.close()
-        self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy,
-                                  verify=self.verify_engine, lora=self.lora)
-        self.pipeline = Pipeline(self.engine, kv_cache=self.kv_cache, max_num_tokens=self.max_num_tokens)
+        kernels = KernelCache.for_device(self.model_dir, self.device) if self.device.startswith("cuda") else None
+        if kernels is not None:
+            kernels.use_compile_dirs()  # before anything compiles
+        with phase("load the engine"):
+            self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy,
+                                      verify=self.verify_engine, lora=self.lora)
+        with phase("warm-up: compile, choose kernels, capture graphs") as note:
+            restored = kernels.restore() if kernels is not None else None
+            self.pipeline = Pipeline(self.engine, kv_cache=self.kv_cache, max_num_tokens=self.max_num_tokens)
+            if restored is not None:
+                note["detail"] = f"{restored.describe()}; {'saved' if kernels.save() else 'not saved'}"
 
     def forward(
         self,

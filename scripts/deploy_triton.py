@@ -8,19 +8,30 @@ command line override the config. With `--visual_checkpoint` the checkpoint is e
 
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
-import tempfile
-from pathlib import Path
+import time
 
-from omegaconf import OmegaConf
+STARTED = time.perf_counter()  # READY is logged as the time since here, imports included
 
-from deploy import DeployPyTriton
-from deploy.startup import DeployError, check_model_repository, check_port_free
-from wire import MODEL_TYPE_MODALITY, modality_of, stream_model_name
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import queue  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from deploy import DeployPyTriton  # noqa: E402
+from deploy.startup import DeployError, check_model_repository, check_port_free  # noqa: E402
+from wire import MODEL_TYPE_MODALITY, modality_of, stream_model_name  # noqa: E402
 
 LOGGER = logging.getLogger("deploy_triton")
+PREFETCH_THREADS = 4
+PREFETCH_BLOCK_BYTES = 64 << 20
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 LLM_MODEL_TYPES = ("gptnext", "gpt", "llama", "falcon", "starcoder", "mixtral", "gemma")
@@ -273,6 +284,7 @@ def build_deployable(settings: argparse.Namespace):
     repository = Path(settings.triton_model_repository)
     if not exporting:
         check_model_repository(repository)
+        prefetch_engine(repository)
     try:
         from exporter import TensorRTMMExporter
     except ImportError as error:
@@ -297,6 +309,55 @@ def build_deployable(settings: argparse.Namespace):
     except (OSError, ValueError, RuntimeError, _checkpoint_error()) as error:
         raise DeployError(f"{step} failed: {type(error).__name__}: {error}") from error
     return exporter
+
+
+def timed(phase: str, action: Callable[[], object]) -> None:
+    """Run `action`, then log the phase's time as the exporter logs its own phases."""
+    started = time.perf_counter()
+    action()
+    LOGGER.info("phase %s: %.2f s", phase, time.perf_counter() - started)
+
+
+def prefetch_engine(repository: Path) -> None:
+    """Read the engine's files (largest first) into the page cache on background threads, so that a cold start
+    reads the disk while the exporter is imported and CUDA starts, and the load then reads memory. Best effort:
+    skipped when the files would not fit in the available memory; read errors are left to the load."""
+    try:
+        files = json.loads((repository / "manifest.json").read_text())["files"]
+        sizes = {repository / name: int(record["size"]) for name, record in files.items()}
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
+        return
+    if sum(sizes.values()) > available // 2:
+        return
+    blocks: queue.SimpleQueue = queue.SimpleQueue()
+    for path, size in sorted(sizes.items(), key=lambda item: -item[1]):
+        for offset in range(0, size, PREFETCH_BLOCK_BYTES):
+            blocks.put((path, offset))
+    started, running = time.perf_counter(), [PREFETCH_THREADS]
+    lock = threading.Lock()
+
+    def read() -> None:
+        buffer = bytearray(PREFETCH_BLOCK_BYTES)
+        while True:
+            try:
+                path, offset = blocks.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                with open(path, "rb", buffering=0) as stream:
+                    os.preadv(stream.fileno(), [buffer], offset)
+            except OSError:
+                pass
+        with lock:
+            running[0] -= 1
+            if not running[0]:
+                LOGGER.info("phase prefetch the engine files (in the background): %.2f s (%.2f GB)",
+                            time.perf_counter() - started, sum(sizes.values()) / 1e9)
+
+    for _ in range(PREFETCH_THREADS):
+        threading.Thread(target=read, name="engine-prefetch", daemon=True).start()
 
 
 def _export_arguments(settings: argparse.Namespace) -> dict:
@@ -376,6 +437,7 @@ def _checkpoint_error() -> type[Exception]:
 def main(argv: list[str] | None = None) -> int:
     """Run the script; returns the exit status (0 after a clean stop, 1 on an error explained on stderr)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    LOGGER.info("phase imports: %.2f s", time.perf_counter() - STARTED)
     try:
         settings = parse_settings(argv)
         address = settings.triton_http_address
@@ -394,9 +456,9 @@ def main(argv: list[str] | None = None) -> int:
             streaming=settings.streaming,
             metrics_port=settings.metrics_port,
         )
-        deployer.deploy()
+        timed("warm-up request", deployer.deploy)
         try:
-            deployer.run()  # Triton is up: the OpenAI front says ready only now
+            timed("Triton start", deployer.run)  # Triton is up: the OpenAI front says ready only now
             openai_server = start_openai_server(settings, deployer)
         except (DeployError, ValueError):
             deployer.stop()
@@ -412,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.triton_port,
         settings.grpc_port,
     )
+    LOGGER.info("READY %.2f s after the process started", time.perf_counter() - STARTED)
     try:
         deployer.serve()
     except DeployError as error:
