@@ -39,6 +39,7 @@ import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,29 +71,21 @@ SMALL_LLM = Setting(max_batch_size=8, max_input_len=512, max_output_len=256, out
                     filler_words=(0, 8, 32), image_sizes=(56, 96))
 
 
-@dataclass(frozen=True)
-class RandomNeva:
-    """A Neva of random weights: its CLIP tower's and Llama-style LLM's shapes, tokenizer words and dtype."""
-
-    name: str
-    vision: dict
-    llm: dict
-    words: int
-    dtype: str
-
-
-LLAVA_SHAPE = RandomNeva("LLaVA-1.5-7B shape, random bf16",
-                         vision=dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24,
-                                     num_attention_heads=16, image_size=336, patch_size=14),
-                         llm=dict(vocab_size=32064, hidden_size=4096, ffn_hidden_size=11008, num_layers=32,
-                                  num_attention_heads=32),
-                         words=32000, dtype="bfloat16")
-SMALL_LLM_SHAPE = RandomNeva("random Neva, 384-wide 6-layer LLM, float32",
-                             vision=dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2,
-                                         num_attention_heads=2, image_size=56, patch_size=14),
-                             llm=dict(vocab_size=2048, hidden_size=384, ffn_hidden_size=1024, num_layers=6,
-                                      num_attention_heads=6),
-                             words=2000, dtype="float32")
+LLAVA_SHAPE = {"vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
+                              image_size=336, patch_size=14),
+               "llm": dict(vocab_size=32064, hidden_size=4096, ffn_hidden_size=11008, num_layers=32,
+                           num_attention_heads=32)}
+TOKENIZER_WORDS = 32000
+SMALL_LLM_SHAPE = {"vision": dict(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=56, patch_size=14),
+                   "llm": dict(vocab_size=2048, hidden_size=384, ffn_hidden_size=1024, num_layers=6,
+                               num_attention_heads=6)}  # float32, 2000 words: decoding is CPU-bound
+SMALL_LLM_WORDS = 2000
+MODELS = {  # --demo, --llava, --small_llm: (setting, random shape or None for the demo, tokenizer words, dtype, title)
+    "demo": (DEMO, None, 0, "float32", "demo Neva, float32"),
+    "llava": (LLAVA, LLAVA_SHAPE, TOKENIZER_WORDS, "bfloat16", "LLaVA-1.5-7B shape, random bf16"),
+    "small_llm": (SMALL_LLM, SMALL_LLM_SHAPE, SMALL_LLM_WORDS, "float32", "random Neva, 384-wide 6-layer LLM, float32"),
+}
 
 
 @dataclass(frozen=True)
@@ -388,21 +381,16 @@ def demo_engine(folder: Path, setting: Setting, device: str) -> Path:
     return folder
 
 
-def random_engine(folder: Path, setting: Setting, words: list[str], shape: RandomNeva) -> Path:
-    """A Neva `.nemo` of `shape` (a CLIP tower, mlp2x_gelu, a Llama-style LLM) with random weights and a SentencePiece
-    word tokenizer of `shape.words` pieces, exported into `folder` (kept: later runs reuse it)."""
+def random_engine(folder: Path, setting: Setting, words: list[str], shape: dict, dtype: str) -> Path:
+    """A Neva `.nemo` of `shape` (`write_llava_nemo`) with random `dtype` weights, exported into `folder` (kept:
+    later runs reuse it)."""
     import torch
 
     from exporter import TensorRTMMExporter
-    from exporter.nemo_writer import write_nemo
 
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
-        tokenizer = Path(tmp) / "tokenizer.model"
-        _train_word_tokenizer(tokenizer, words, shape.words)
-        nemo = Path(tmp) / "random_neva.nemo"
-        write_nemo(nemo, _random_neva_config(shape), _random_neva_weights(shape), layout="legacy",
-                   artifacts={"tokenizer.model": str(tokenizer)})
-        tokens_per_image = (shape.vision["image_size"] // shape.vision["patch_size"]) ** 2
+        nemo = write_llava_nemo(Path(tmp) / "random_neva.nemo", words, shape, dtype)
+        tokens_per_image = (shape["vision"]["image_size"] // shape["vision"]["patch_size"]) ** 2
         TensorRTMMExporter(folder, device="cuda" if torch.cuda.is_available() else "cpu").export(
             nemo, model_type="neva", dtype=shape.dtype, max_batch_size=setting.max_batch_size,
             max_input_len=setting.max_input_len, max_output_len=setting.max_output_len,
@@ -410,19 +398,34 @@ def random_engine(folder: Path, setting: Setting, words: list[str], shape: Rando
     return folder
 
 
-def _train_word_tokenizer(path: Path, words: list[str], vocab_size: int) -> None:
+def write_llava_nemo(path: Path, words: list[str], shape: dict = LLAVA_SHAPE, dtype: str = "bfloat16") -> Path:
+    """A Neva `.nemo` at `path` of `shape` (default LLaVA-1.5-7B's: CLIP-L/336, mlp2x_gelu, Llama-2-7B) with random
+    `dtype` weights and a SentencePiece word tokenizer whose pieces are `words`' distinct words."""
+    from exporter.nemo_writer import write_nemo
+
+    tokenizer = path.with_name(path.name + ".tokenizer.model")
+    _train_word_tokenizer(tokenizer, words)
+    try:
+        write_nemo(path, _llava_config(shape, dtype), _llava_weights(shape, dtype), layout="legacy",
+                   artifacts={"tokenizer.model": str(tokenizer)})
+    finally:
+        tokenizer.unlink()
+    return path
+
+
+def _train_word_tokenizer(path: Path, words: list[str]) -> None:
     import sentencepiece as spm
 
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(" ".join(words[i:i + 20]) for i in range(0, len(words), 20)),
-                                   model_writer=model, vocab_size=vocab_size, model_type="word", unk_id=0,
+                                   model_writer=model, vocab_size=len(set(words)), model_type="word", unk_id=0,
                                    bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, num_threads=8)
     path.write_bytes(model.getvalue())
 
 
-def _random_neva_config(shape: RandomNeva) -> dict:
-    llm, vision = shape.llm, shape.vision
-    return {"precision": "bf16" if shape.dtype == "bfloat16" else 32, "num_layers": llm["num_layers"],
+def _llava_config(shape: dict, dtype: str) -> dict:
+    llm, vision = shape["llm"], shape["vision"]
+    return {"precision": "bf16" if dtype == "bfloat16" else 32, "num_layers": llm["num_layers"],
             "hidden_size": llm["hidden_size"],
             "ffn_hidden_size": llm["ffn_hidden_size"], "num_attention_heads": llm["num_attention_heads"],
             "num_query_groups": llm["num_attention_heads"], "kv_channels": None, "normalization": "rmsnorm",
@@ -447,13 +450,13 @@ def _random_neva_config(shape: RandomNeva) -> dict:
                      "image_token_len": (vision["image_size"] // vision["patch_size"]) ** 2}}
 
 
-def _random_neva_weights(shape: RandomNeva) -> dict:
-    """Random canonical weights (docs/architecture.md) drawn on the GPU (if any), in the shape's dtype on the host."""
+def _llava_weights(shape: dict, dtype_name: str) -> dict:
+    """Random canonical weights (docs/architecture.md) drawn on the GPU (if any), in `dtype_name` on the host."""
     import torch
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
-    llm, vision = shape.llm, shape.vision
-    dtype = getattr(torch, shape.dtype)
+    llm, vision = shape["llm"], shape["vision"]
+    dtype = getattr(torch, dtype_name)
     hidden, ffn = llm["hidden_size"], llm["ffn_hidden_size"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device).manual_seed(0)
@@ -483,7 +486,7 @@ def _random_neva_weights(shape: RandomNeva) -> dict:
     return weights
 
 
-def _words(seed: int, count: int) -> list[str]:
+def make_words(seed: int, count: int = TOKENIZER_WORDS) -> list[str]:
     """`count` distinct made-up words, each twice (the tokenizer's pieces, and the prompts' filler)."""
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz"
@@ -609,40 +612,39 @@ def main(argv: list[str] | None = None) -> dict:
     protocols = args.protocols or ([OPENAI_PLAIN, "openai"] if ray else list(PROTOCOLS))
     if ray and not set(protocols) <= {OPENAI_PLAIN, "openai"}:
         parser.error(f"--target ray serves the {OPENAI_PLAIN} and openai protocols only")
-    shape = LLAVA_SHAPE if args.llava else SMALL_LLM_SHAPE if args.small_llm else None
-    setting = LLAVA if args.llava else SMALL_LLM if args.small_llm else DEMO
+    model = "llava" if args.llava else "small_llm" if args.small_llm else "demo"
+    setting, shape, words_count, dtype, title = MODELS[model]
     device = args.device or ("cuda" if args.llava else "cpu")
-    words = _words(args.seed, shape.words) if shape else ["tell", "me", "more", "about", "it", "please"]
+    words = make_words(args.seed, words_count) if shape else ["tell", "me", "more", "about", "it", "please"]
     out = Path(os.environ.get("OUT", "."))
     with tempfile.TemporaryDirectory() as tmp:
         engine_dir = args.engine_dir or Path(tmp) / "engine"
         if not (engine_dir / "manifest.json").is_file():
             engine_dir.parent.mkdir(parents=True, exist_ok=True)
-            random_engine(engine_dir, setting, words, shape) if shape else demo_engine(engine_dir, setting, device)
+            if shape:
+                random_engine(engine_dir, setting, words, shape, dtype)
+            else:
+                demo_engine(engine_dir, setting, device)
         largest = max([*args.concurrency, 1])
         pool = make_requests(setting, args.requests or max(64, _phase_size(largest, 10**9)), args.seed, words)
-        result = {"model": shape.name if shape else "demo Neva, float32", "device": device,
-                  "max_batch_size": setting.max_batch_size, "client_processes": args.processes,
+        result = {"model": title, "device": device, "max_batch_size": setting.max_batch_size,
+                  "client_processes": args.processes, "phases": [],
                   "scheduler_tok_s": {} if ray else {str(c): v for c, v in scheduler_only(
-                      engine_dir, device, pool, args.concurrency).items()},
-                  "phases": []}
-        servers = [(f"ray x{n}", lambda log, n=n: start_ray_server(engine_dir, device, n, args.ray_cpus_per_replica,
-                                                                   log)) for n in args.ray_replicas] if ray else \
-            [("triton", lambda log: start_server(engine_dir, setting, device, log))]
+                      engine_dir, device, pool, args.concurrency).items()}}
+        servers = [(f"ray x{n}", partial(start_ray_server, engine_dir, device, n, args.ray_cpus_per_replica))
+                   for n in args.ray_replicas] if ray else [("triton", partial(start_server, engine_dir, setting,
+                                                                               device))]
         for label, start in servers:
             server, urls = start(Path(os.environ.get("OUT", tmp)) / f"serve_bench_{label.replace(' ', '')}.log")
             try:
+                loads = [{"concurrency": c} for c in args.concurrency] + ([{"rate": args.rate}] if args.rate else [])
                 for protocol in protocols:
-                    for concurrency in args.concurrency:
-                        phase_requests = pool[: args.requests or _phase_size(concurrency, len(pool))]
-                        phase = run_phase(protocol, urls, phase_requests, args.processes, concurrency=concurrency,
-                                          server_pid=server.pid)
+                    for load in loads:
+                        count = args.requests or (_phase_size(load["concurrency"], len(pool)) if "concurrency" in load
+                                                  else 64)
+                        phase = run_phase(protocol, urls, pool[:count], args.processes, server_pid=server.pid, **load)
                         result["phases"].append({"server": label, **phase})
                         print(report({**result, "phases": result["phases"][-1:]}).splitlines()[-1], flush=True)
-                    if args.rate:
-                        phase = run_phase(protocol, urls, pool[: args.requests or 64], args.processes, rate=args.rate,
-                                          server_pid=server.pid)
-                        result["phases"].append({"server": label, **phase})
             finally:
                 server.terminate()
                 server.wait(120)

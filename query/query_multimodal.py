@@ -27,7 +27,15 @@ from tritonclient.utils import InferenceServerException
 
 from query import http_json
 from query import media as media_io
-from wire import MODEL_TYPE_MODALITY, VIDEO_MODEL_TYPES, decode_answer, param_tensors, stream_model_name
+from wire import (
+    LORA_UIDS,
+    MODEL_TYPE_MODALITY,
+    VIDEO_MODEL_TYPES,
+    decode_answer,
+    lora_uids_per_row,
+    param_tensors,
+    stream_model_name,
+)
 
 DEFAULT_INFERENCE_TIMEOUT_S = 300.0
 BACKENDS = ("triton", "ray")
@@ -135,6 +143,7 @@ class NemoQueryMultimodal:
     ) -> np.ndarray:
         """Answers as a str array `[prompt][beam]`; text and media may be lists (one each, or one shared).
 
+        `lora_uids`: the LoRA adapter of every prompt (one uid) or of each (one per prompt, "-1" for none).
         Raises QueryError with the server's message when the server fails the request.
         """
         texts = _as_list(input_text, (str,))
@@ -150,14 +159,14 @@ class NemoQueryMultimodal:
             raise ValueError(
                 f"got {len(texts)} prompts but {len(media_rows)} media; give one media or one each"
             )
-        params = param_tensors({
+        params = {
             "batch_size": batch_size, "max_output_len": max_output_len, "top_k": top_k, "num_beams": num_beams,
             "top_p": top_p, "temperature": temperature, "repetition_penalty": repetition_penalty,
-            "lora_uids": lora_uids,
-        })
+        }
         rows = [
-            {"input_text": np.array([text.encode("utf-8")], dtype=np.bytes_), **media_row, **params}
-            for text, media_row in zip(texts, media_rows, strict=True)
+            {"input_text": np.array([text.encode("utf-8")], dtype=np.bytes_), **media_row,
+             **param_tensors({**params, LORA_UIDS: [uid] if uid else None})}
+            for text, media_row, uid in zip(texts, media_rows, lora_uids_per_row(lora_uids, len(texts)))
         ]
         with self._lock:
             infer, max_rows = self._transport(init_timeout, inference_timeout)
@@ -192,7 +201,7 @@ class NemoQueryMultimodal:
             raise TypeError("query_stream answers one prompt: input_text must be a str (use query for several)")
         params = param_tensors({
             "max_output_len": max_output_len, "top_k": top_k, "top_p": top_p, "temperature": temperature,
-            "repetition_penalty": repetition_penalty, "lora_uids": lora_uids,
+            "repetition_penalty": repetition_penalty, LORA_UIDS: _row_uid(lora_uids),
         })
         row = {"input_text": np.array([input_text.encode("utf-8")], dtype=np.bytes_)}
         row.update(self._media_inputs(input_media), **params)
@@ -387,6 +396,12 @@ def _sse_error(body: bytes) -> str | None:
         return str(json.loads(text)["error"])
     except (ValueError, KeyError, TypeError):
         return text or None
+
+
+def _row_uid(lora_uids: Sequence[str] | None) -> list[str] | None:
+    """The `lora_uids` of a one-prompt request: its one uid, or None for no adapter."""
+    (uid,) = lora_uids_per_row(lora_uids, 1)
+    return [uid] if uid else None
 
 
 def _row_key(row: dict[str, np.ndarray]) -> tuple:

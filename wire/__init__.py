@@ -5,7 +5,15 @@ encoding, and the `ITritonDeployable` contract. numpy only: PyTriton is imported
 """
 
 from wire.deployable import ITritonDeployable, default_warmup_request
-from wire.params import LORA_UIDS, PARAMS, WireParam, param_tensors, sampling_fields
+from wire.params import (
+    LORA_UIDS,
+    NO_LORA_UIDS,
+    PARAMS,
+    WireParam,
+    lora_uids_per_row,
+    param_tensors,
+    sampling_fields,
+)
 from wire.request import (
     PROMPT_BYTES_PER_TOKEN,
     InferRequest,
@@ -30,6 +38,7 @@ __all__ = [
     "LORA_UIDS",
     "MODALITIES",
     "MODEL_TYPE_MODALITY",
+    "NO_LORA_UIDS",
     "PARAMS",
     "PROMPT_BYTES_PER_TOKEN",
     "STREAM_MODEL_SUFFIX",
@@ -43,6 +52,7 @@ __all__ = [
     "decode_answer",
     "default_warmup_request",
     "encode_outputs",
+    "lora_uids_per_row",
     "modality_of",
     "multimodal_triton_inputs",
     "multimodal_triton_outputs",
