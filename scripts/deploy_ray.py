@@ -164,9 +164,8 @@ def deploy(args: argparse.Namespace, settings: argparse.Namespace) -> None:
     from ray import serve
 
     application = build_application(
-        str(Path(settings.triton_model_repository).resolve()), settings.triton_model_name, settings.modality, args.scale,
-        device=settings.device, media_policy=triton_script.media_policy(settings),
-        max_request_bytes=settings.openai_max_request_bytes, verify_engine=settings.verify_engine)
+        str(Path(settings.triton_model_repository).resolve()), settings.triton_model_name, args.scale,
+        engine_options=triton_script.exporter_options(settings), max_request_bytes=settings.openai_max_request_bytes)
     serve.start(http_options={"host": args.host, "port": args.port})
     try:
         serve.run(application, name=settings.triton_model_name, route_prefix="/")

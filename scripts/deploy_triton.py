@@ -290,19 +290,10 @@ def build_deployable(settings: argparse.Namespace, load: bool = True):
         from exporter import TensorRTMMExporter
     except ImportError as error:
         raise DeployError(f"the exporter cannot be imported ({error}); check the installation") from error
-    extra = {"device": settings.device} if settings.device else {}
-    if not exporting:  # LoRA adapters and settings added to the served engine's
-        extra.update(lora_checkpoint_path=settings.lora_checkpoint_path, max_lora_rank=settings.max_lora_rank,
-                     lora_target_modules=settings.lora_target_modules, max_loras=settings.max_loras)
     step = "loading the model repository"
     try:
-        exporter = TensorRTMMExporter(
-            model_dir=str(repository), load_model=load and not exporting, modality=settings.modality,
-            media_policy=media_policy(settings), verify_engine=settings.verify_engine,
-            kv_cache_free_gpu_mem_fraction=settings.kv_cache_free_gpu_mem_fraction,
-            kv_cache_bytes=settings.kv_cache_bytes, kv_cache_dtype=settings.kv_cache_dtype,
-            enable_kv_cache_reuse=settings.enable_kv_cache_reuse, max_num_tokens=settings.max_num_tokens, **extra
-        )
+        exporter = TensorRTMMExporter(model_dir=str(repository), load_model=load and not exporting,
+                                      **exporter_options(settings))
         if exporting:
             step = "the export"
             LOGGER.info("exporting %s into %s", settings.visual_checkpoint, repository)
@@ -310,6 +301,22 @@ def build_deployable(settings: argparse.Namespace, load: bool = True):
     except (OSError, ValueError, RuntimeError, _checkpoint_error()) as error:
         raise DeployError(f"{step} failed: {type(error).__name__}: {error}") from error
     return exporter
+
+
+def exporter_options(settings: argparse.Namespace) -> dict:
+    """`TensorRTMMExporter`'s keyword arguments for serving, from the settings: modality, device, media policy,
+    engine check, KV cache, and the LoRA adapters added to an exported engine at load (an export takes them in)."""
+    options = dict(modality=settings.modality, media_policy=media_policy(settings),
+                   verify_engine=settings.verify_engine,
+                   kv_cache_free_gpu_mem_fraction=settings.kv_cache_free_gpu_mem_fraction,
+                   kv_cache_bytes=settings.kv_cache_bytes, kv_cache_dtype=settings.kv_cache_dtype,
+                   enable_kv_cache_reuse=settings.enable_kv_cache_reuse, max_num_tokens=settings.max_num_tokens)
+    if settings.device:
+        options["device"] = settings.device
+    if settings.visual_checkpoint is None:
+        options.update(lora_checkpoint_path=settings.lora_checkpoint_path, max_lora_rank=settings.max_lora_rank,
+                       lora_target_modules=settings.lora_target_modules, max_loras=settings.max_loras)
+    return options
 
 
 def timed(phase: str, action: Callable[[], object]) -> None:

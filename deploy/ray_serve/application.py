@@ -9,7 +9,6 @@ from typing import Any
 from deploy.ray_serve.front import Front
 from deploy.ray_serve.replica import EngineReplica
 from exporter.engine import read_manifest
-from exporter.media_safety import MediaPolicy
 
 ENGINE_DEPLOYMENT = "Engine"
 FRONT_DEPLOYMENT = "Front"
@@ -48,16 +47,17 @@ class ScaleOptions:
             raise ValueError("front_replicas and front_max_ongoing_requests must be at least 1, retries at least 0")
 
 
-def build_application(model_dir: str, model_name: str, modality: str, scale: ScaleOptions = ScaleOptions(),
-                      device: str | None = None, media_policy: MediaPolicy | None = None,
-                      max_request_bytes: int | None = None, verify_engine: bool | None = None) -> Any:
+def build_application(model_dir: str, model_name: str, scale: ScaleOptions = ScaleOptions(),
+                      engine_options: dict[str, Any] | None = None, max_request_bytes: int | None = None) -> Any:
     """The bound Ray Serve application serving the engine in `model_dir` as `model_name`. The engine directory
-    must be at `model_dir` on every node that runs a replica. `device` defaults to CUDA when the replicas get GPUs,
-    else the CPU."""
+    must be at `model_dir` on every node that runs a replica. `engine_options` are `TensorRTMMExporter`'s keyword
+    arguments (modality, media policy, KV cache, ...; the front applies the media policy too); the device defaults
+    to CUDA when the replicas get GPUs, else the CPU."""
     from ray import serve
 
-    device = device or ("cuda" if scale.num_gpus_per_replica > 0 else "cpu")
-    if device == "cuda" and scale.num_gpus_per_replica <= 0:
+    options = dict(engine_options or {})
+    options.setdefault("device", "cuda" if scale.num_gpus_per_replica > 0 else "cpu")
+    if options["device"] == "cuda" and scale.num_gpus_per_replica <= 0:
         raise ValueError("CUDA replicas need GPUs: give num_gpus_per_replica (Ray hands each replica its GPUs)")
     max_batch_size = int(read_manifest(model_dir)["limits"]["max_batch_size"])
     ongoing = scale.max_ongoing_requests or 2 * max_batch_size
@@ -67,9 +67,9 @@ def build_application(model_dir: str, model_name: str, modality: str, scale: Sca
     engine = serve.deployment(EngineReplica, name=ENGINE_DEPLOYMENT).options(
         ray_actor_options=actor_options, max_ongoing_requests=ongoing, health_check_period_s=HEALTH_CHECK_PERIOD_S,
         health_check_timeout_s=HEALTH_CHECK_TIMEOUT_S, **replicas,
-    ).bind(str(model_dir), modality, device, media_policy, max(1, int(scale.num_cpus_per_replica)), verify_engine)
+    ).bind(str(model_dir), max(1, int(scale.num_cpus_per_replica)), options)
     front = serve.deployment(serve.ingress()(Front), name=FRONT_DEPLOYMENT).options(
         num_replicas=scale.front_replicas, max_ongoing_requests=scale.front_max_ongoing_requests,  # also its threads
         ray_actor_options={"num_cpus": 0},  # the front waits on the replicas: it takes no CPU from them
     )
-    return front.bind(engine, model_name, media_policy, max_request_bytes, scale.retries)
+    return front.bind(engine, model_name, options.get("media_policy"), max_request_bytes, scale.retries)

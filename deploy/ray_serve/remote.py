@@ -1,5 +1,5 @@
 """`RemoteEngine`: the engine replicas behind a Ray Serve deployment handle, with the exporter's surface that the
-OpenAI app uses (`modality`, `engine`, `generate`, `stream`).
+OpenAI app uses (`modality`, `lora_uids`, `engine`, `generate`, `stream`).
 
 Calls block (the apps make them from worker threads). A request whose replica dies is sent again to another
 replica when none of its answer was sent yet (up to `retries` times); otherwise it fails with a 503 `Failure`
@@ -27,6 +27,7 @@ class RemoteEngine:
         self.facts = facts
         self.retries = retries
         self.modality = facts.modality
+        self.lora_uids = facts.lora_uids
         self.engine = facts  # what the OpenAI app reads of an engine: limits, perception, template
         self.pipeline = facts  # loaded: the replicas answer
 

@@ -18,7 +18,6 @@ import numpy as np
 
 from deploy.ray_serve.transport import Failure, ModelFacts
 from deploy.startup import DeployError
-from exporter.media_safety import MediaPolicy
 from exporter.runtime import Completion
 from exporter.runtime import Request as PipelineRequest
 from wire import InferRequest, decode_answer
@@ -27,24 +26,23 @@ LOGGER = logging.getLogger(__name__)
 
 
 class EngineReplica:
-    """Serves the engine in `model_dir` (exported for `modality`) on `device`; `num_threads` sets torch's CPU
-    threads (the CPUs Ray gives the replica)."""
+    """Serves the engine in `model_dir`, loaded with `engine_options` (`TensorRTMMExporter`'s keyword arguments);
+    `num_threads` sets torch's CPU threads (the CPUs Ray gives the replica)."""
 
-    def __init__(self, model_dir: str, modality: str, device: str, media_policy: MediaPolicy | None = None,
-                 num_threads: int | None = None, verify_engine: bool | None = None):
+    def __init__(self, model_dir: str, num_threads: int | None = None, engine_options: dict[str, Any] | None = None):
         import torch
 
         from exporter import TensorRTMMExporter
 
         if num_threads:
             torch.set_num_threads(num_threads)
-        self.exporter = TensorRTMMExporter(model_dir, modality=modality, device=device, media_policy=media_policy,
-                                           verify_engine=verify_engine)
+        self.exporter = TensorRTMMExporter(model_dir, **(engine_options or {}))
         if self.exporter.pipeline is None:
             raise DeployError(f"no exported model in {model_dir} on this node; export it there (or onto storage "
                               "every node mounts at that path)")
         self.exporter.triton_infer_fn(**self.exporter.triton_warmup_request())  # READY only once a request ran
-        LOGGER.info("model replica ready: %s on %s, %d torch threads", model_dir, device, torch.get_num_threads())
+        LOGGER.info("model replica ready: %s on %s, %d torch threads", model_dir, self.exporter.device,
+                    torch.get_num_threads())
 
     async def facts(self) -> ModelFacts:
         """What the front needs to know of the engine."""

@@ -33,12 +33,14 @@ class PerceptionFacts:
 @dataclass(frozen=True)
 class ModelFacts:
     """What the front needs to know of the engine to check and translate requests; it stands in for the exporter's
-    `engine` in the OpenAI app (`limits`, `perception`, `template`)."""
+    `engine` in the OpenAI app (`limits`, `perception`, `template`). `lora_uids`: the LoRA adapters served from the
+    start (every replica loads the same)."""
 
     modality: str
     limits: EngineLimits
     perception: PerceptionFacts
     template: ChatTemplate
+    lora_uids: tuple[str, ...] = ()
 
     @classmethod
     def of(cls, exporter: Any) -> ModelFacts:
@@ -46,6 +48,7 @@ class ModelFacts:
         engine = exporter.engine
         perception = engine.perception
         return cls(modality=exporter.modality, limits=engine.limits, template=engine.template,
+                   lora_uids=tuple(exporter.lora_uids),
                    perception=PerceptionFacts(media_name=getattr(perception, "media_name", "image"),
                                               placeholder=getattr(perception, "placeholder", None),
                                               placeholder_aliases=tuple(getattr(perception, "placeholder_aliases",
