@@ -3,6 +3,8 @@ splitting (what the engine decodes) and against refusals that name the input."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -10,9 +12,11 @@ from wire import WireError, param_tensors, split_request
 from wire.http_json import (
     datatype_of,
     generate_request_from_json,
+    infer_request_from_body,
     infer_request_from_json,
     infer_request_to_json,
     outputs_from_json,
+    outputs_to_binary,
     outputs_to_json,
 )
 
@@ -106,3 +110,86 @@ def test_datatypes():
         "BYTES", "BYTES", "UINT8", "INT64", "INT32", "FP32"]
     with pytest.raises(ValueError, match="no Triton datatype"):
         datatype_of(np.complex64)
+
+
+# --- Triton's binary tensor extension, against tritonclient's own encoder and decoder ------------------------------
+
+def _tritonclient_body(request: dict[str, np.ndarray], binary: tuple[str, ...]) -> tuple[bytes, int | None]:
+    """The body `tritonclient.http` sends for `request`, the inputs in `binary` as raw bytes, the others as JSON."""
+    from tritonclient.http import InferInput
+    from tritonclient.http._utils import _get_inference_request
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, value in request.items():
+        tensor = InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype))
+        tensor.set_data_from_numpy(value, binary_data=name in binary)
+        inputs.append(tensor)
+    return _get_inference_request(inputs, "", None, 0, False, False, 0, None, None)
+
+
+def test_tritonclient_binary_requests_decode_to_the_same_tensors():
+    params = param_tensors({"max_output_len": 7, "top_p": 0.5})
+    pixels = np.arange(2 * 3 * 4 * 3, dtype=np.uint8).reshape(1, 2, 3, 4, 3)
+    request = {"input_text": np.array([["What is this? é".encode()]], dtype=object),
+               "input_media_bytes": np.array([[PNG, b""]], dtype=object), "input_media": pixels,
+               **{name: value[np.newaxis] for name, value in params.items()}}
+    for binary in (tuple(request), ("input_media_bytes", "input_media"), ("input_media_bytes",)):  # PNG: not JSON
+        body, header_length = _tritonclient_body(request, binary)
+        decoded, answer_binary = infer_request_from_body(
+            body, None if header_length is None else str(header_length), DATATYPES)
+        assert answer_binary  # tritonclient asks for binary outputs when it names none
+        assert set(decoded) == set(request)
+        for name, value in request.items():
+            assert decoded[name].shape == value.shape and decoded[name].dtype == value.dtype, name
+            assert decoded[name].tolist() == value.tolist(), (name, binary)
+
+
+def test_binary_answers_read_back_with_tritonclient():
+    from tritonclient.http import InferResult
+
+    answers = np.array([["circle", "a circle"], ["é", ""]], dtype=object)
+    encoded = np.array([[a.encode() for a in row] for row in answers], dtype=object)
+    body, header_length = outputs_to_binary("demo", {"outputs": encoded})
+    result = InferResult.from_response_body(body, header_length=header_length)
+    assert result.as_numpy("outputs").tolist() == encoded.tolist()
+    assert result.get_response()["model_name"] == "demo"
+
+
+def test_a_json_body_asks_for_a_json_answer_unless_it_names_binary_outputs():
+    body = json.dumps(infer_request_to_json({"input_text": np.array([[b"x"]], dtype=object)})).encode()
+    assert infer_request_from_body(body, None, DATATYPES)[1] is False
+    asking = {**json.loads(body), "outputs": [{"name": "outputs", "parameters": {"binary_data": True}}]}
+    assert infer_request_from_body(json.dumps(asking).encode(), None, DATATYPES)[1] is True
+
+
+@pytest.mark.parametrize(("cut", "header", "expected"), [
+    (0, "abc", "Inference-Header-Content-Length is 'abc'"),
+    (0, "100000", "Inference-Header-Content-Length is '100000'"),
+    (3, None, "binary_data_size 18 but the body holds 15 more bytes"),
+    (-3, None, "bytes after its binary inputs"),
+])
+def test_malformed_binary_bodies_are_refused_naming_the_problem(cut, header, expected):
+    body, header_length = _tritonclient_body({"input_text": np.array([[b"hello"], [b"world"]], dtype=object)},
+                                             ("input_text",))
+    if cut > 0:
+        body = body[:-cut]
+    elif cut < 0:
+        body = body + b"xyz"
+    with pytest.raises(WireError, match=expected):
+        infer_request_from_body(body, header or str(header_length), DATATYPES)
+
+
+def test_binary_tensors_must_match_their_shape():
+    header = {"inputs": [{"name": "input_text", "shape": [1, 2], "datatype": "BYTES",
+                          "parameters": {"binary_data_size": 9}}]}
+    raw = json.dumps(header).encode()
+    with pytest.raises(WireError, match=r"shape \[1, 2\] \(2 values\) but 1 BYTES items"):
+        infer_request_from_body(raw + (5).to_bytes(4, "little") + b"hello", str(len(raw)), DATATYPES)
+    with pytest.raises(WireError, match="cut off"):
+        infer_request_from_body(raw + (9).to_bytes(4, "little") + b"hello", str(len(raw)), DATATYPES)
+    pixels = {"inputs": [{"name": "input_media", "shape": [1, 4], "datatype": "UINT8",
+                          "parameters": {"binary_data_size": 3}}]}
+    raw = json.dumps(pixels).encode()
+    with pytest.raises(WireError, match=r"\(4 bytes of UINT8\) but 3 binary bytes"):
+        infer_request_from_body(raw + b"abc", str(len(raw)), DATATYPES)

@@ -30,6 +30,7 @@ import pytest
 from conftest import load_demo_builder
 from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
+from wire import param_tensors
 from serving_support import assert_short_error, poll_ready
 
 pytest.importorskip("ray.serve", reason="Ray Serve is the [ray] extra: pip install -e '.[ray]'")
@@ -297,6 +298,25 @@ def test_triton_routes_answer_and_refuse_like_triton(served):
         assert_short_error(json.loads(failed.value.read())["error"])
     with urllib.request.urlopen(f"{served.url}/v2/models/{MODEL}/ready", timeout=30) as ready:
         assert ready.status == 200
+
+
+def test_tritonclient_speaks_to_the_front_as_to_triton(served):
+    """Triton's own HTTP client (binary tensors both ways) against the front's Triton routes."""
+    import tritonclient.http as triton_http
+    from tritonclient.utils import np_to_triton_dtype
+
+    client = triton_http.InferenceServerClient(served.url.removeprefix("http://"), network_timeout=CLIENT_TIMEOUT_S)
+    assert client.is_server_ready() and client.is_model_ready(MODEL)
+    tensors = {"input_text": np.array([[SHAPE_Q.encode()], [COLOR_Q.encode()]], dtype=object),
+               "input_media_bytes": np.array([[(REPO / f"demo/images/{name}.png").read_bytes()]
+                                              for name in ("green_square", "yellow_circle")], dtype=object),
+               **{name: np.stack([value, value]) for name, value in param_tensors({"max_output_len": 8}).items()}}
+    inputs = []
+    for name, value in tensors.items():
+        inputs.append(triton_http.InferInput(name, list(value.shape), np_to_triton_dtype(value.dtype)))
+        inputs[-1].set_data_from_numpy(value)
+    assert client.infer(MODEL, inputs).as_numpy("outputs").tolist() == [[b"square"], [b"yellow"]]
+    client.close()
     for path in (MODEL, f"{MODEL}/config", f"{MODEL}_stream/config"):
         with urllib.request.urlopen(f"{served.url}/v2/models/{path}", timeout=30) as config:
             assert json.loads(config.read())["max_batch_size"] == 4

@@ -1,8 +1,8 @@
 """Triton's HTTP routes for NeMo's clients, answered by the engine replicas, so that `NemoQueryMultimodal(url, ...,
 backend="ray")`, `query.py`-style JSON clients and curl reach a Ray deployment as they reach Triton:
 
-- `POST /v2/models/<name>/infer`: Triton's JSON body with NeMo's tensors (`wire.http_json`); the answer's `outputs`
-  hold one answer per beam for each prompt.
+- `POST /v2/models/<name>/infer`: Triton's JSON body with NeMo's tensors (`wire.http_json`), or its binary tensor
+  extension as `tritonclient.http` sends it; the answer's `outputs` hold one answer per beam for each prompt.
 - `POST /v2/models/<name>/generate_stream` (also under `<name>_stream`): Triton's generate extension, one prompt,
   answered as server-sent events `data: {"model_name", "model_version", "outputs": "<piece>"}`.
 - `GET /v2/models/<name>` and `/v2/models/<name>/config`: the name, the inputs, `max_batch_size`.
@@ -28,9 +28,11 @@ from deploy.ray_serve.transport import Failure
 from deploy.triton_errors import BAD_REQUEST, one_line
 from wire import WireError, multimodal_triton_inputs, stream_model_name
 from wire.http_json import (
+    HEADER_LENGTH,
     datatype_of,
     generate_request_from_json,
-    infer_request_from_json,
+    infer_request_from_body,
+    outputs_to_binary,
     outputs_to_json,
 )
 
@@ -65,15 +67,19 @@ def add_triton_routes(app: FastAPI, remote: RemoteEngine, model_name: str) -> No
     async def infer(name: str, request: Request) -> Response:
         if name != model_name:
             return unknown(name)
-        body = await request.body()
+        body, header_length = await request.body(), request.headers.get(HEADER_LENGTH)
         try:
-            tensors = await anyio.to_thread.run_sync(lambda: infer_request_from_json(_json(body), datatypes))
+            tensors, binary = await anyio.to_thread.run_sync(
+                lambda: infer_request_from_body(body, header_length, datatypes))
         except WireError as error:
             return triton_error(BAD_REQUEST, one_line(str(error)))
         result = await anyio.to_thread.run_sync(remote.call, "infer", tensors)
         if isinstance(result, Failure):
             return triton_error(result.status, result.message)
-        return JSONResponse(outputs_to_json(name, result))
+        if not binary:
+            return JSONResponse(outputs_to_json(name, result))
+        content, length = outputs_to_binary(name, result)
+        return Response(content, media_type="application/octet-stream", headers={HEADER_LENGTH: str(length)})
 
     @app.post("/v2/models/{name}/generate_stream")
     async def generate_stream(name: str, request: Request) -> Response:
