@@ -306,7 +306,10 @@ def test_tritonclient_speaks_to_the_front_as_to_triton(served):
     from tritonclient.utils import np_to_triton_dtype
 
     client = triton_http.InferenceServerClient(served.url.removeprefix("http://"), network_timeout=CLIENT_TIMEOUT_S)
-    assert client.is_server_ready() and client.is_model_ready(MODEL)
+    assert client.is_server_ready() and client.is_model_ready(MODEL) and client.is_model_ready(f"{MODEL}_stream")
+    config = client.get_model_config(MODEL)
+    assert config["max_batch_size"] == 4 and config == client.get_model_config(f"{MODEL}_stream") | {"name": MODEL}
+    assert {"name": "input_text", "data_type": "TYPE_STRING", "dims": [1]} in config["input"]
     tensors = {"input_text": np.array([[SHAPE_Q.encode()], [COLOR_Q.encode()]], dtype=object),
                "input_media_bytes": np.array([[(REPO / f"demo/images/{name}.png").read_bytes()]
                                               for name in ("green_square", "yellow_circle")], dtype=object),
@@ -317,9 +320,10 @@ def test_tritonclient_speaks_to_the_front_as_to_triton(served):
         inputs[-1].set_data_from_numpy(value)
     assert client.infer(MODEL, inputs).as_numpy("outputs").tolist() == [[b"square"], [b"yellow"]]
     client.close()
-    for path in (MODEL, f"{MODEL}/config", f"{MODEL}_stream/config"):
-        with urllib.request.urlopen(f"{served.url}/v2/models/{path}", timeout=30) as config:
-            assert json.loads(config.read())["max_batch_size"] == 4
+    for name in (MODEL, f"{MODEL}_stream"):
+        with urllib.request.urlopen(f"{served.url}/v2/models/{name}", timeout=30) as metadata:
+            inputs = {t["name"]: t["datatype"] for t in json.loads(metadata.read())["inputs"]}
+        assert inputs["input_text"] == inputs["input_media_bytes"] == "BYTES" and inputs["input_media"] == "UINT8"
 
 
 def test_killing_a_replica_under_load_ends_every_request_and_the_replacement_serves(served, reference, images):

@@ -2,7 +2,8 @@
 a `RemoteEngine`) and Triton's HTTP routes (`triton_routes`), and sends each request to the engine replicas.
 
 The front parses bodies and fetches media; the replicas run the model. Readiness routes (`/v1/health/ready`,
-`/v1/health`, `/v2/health/ready`, `/v2/models/<name>/ready`) say 200 only while an engine replica answers.
+`/v1/health`, `/v2/health/ready`, `/v2/models/<name>/ready` and `<name>_stream`'s) say 200 only while an engine
+replica answers.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from deploy.ray_serve.remote import RemoteEngine
 from deploy.ray_serve.triton_routes import add_triton_routes, triton_error
 from deploy.triton_errors import UNAVAILABLE
 from exporter.media_safety import MediaPolicy
+from wire import stream_model_name
 
 READY_TIMEOUT_S = 5.0
 
@@ -30,7 +32,8 @@ class ReadyRoutes:
     def __init__(self, app: Any, remote: RemoteEngine, model_name: str):
         self.app, self.remote = app, remote
         self.openai_paths = {"/v1/health/ready", "/v1/health"}
-        self.triton_paths = {"/v2/health/ready", f"/v2/models/{model_name}/ready"}
+        self.triton_paths = {"/v2/health/ready", f"/v2/models/{model_name}/ready",
+                             f"/v2/models/{stream_model_name(model_name)}/ready"}
 
     async def __call__(self, scope, receive, send) -> None:
         path = scope.get("path") if scope["type"] == "http" else None

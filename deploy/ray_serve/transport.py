@@ -8,7 +8,7 @@ its traceback, and some exceptions do not survive pickling.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from deploy.openai.errors import APIError, api_error
@@ -34,13 +34,14 @@ class PerceptionFacts:
 class ModelFacts:
     """What the front needs to know of the engine to check and translate requests; it stands in for the exporter's
     `engine` in the OpenAI app (`limits`, `perception`, `template`). `lora_uids`: the LoRA adapters served from the
-    start (every replica loads the same)."""
+    start (every replica loads the same); `parameters`: what the model publishes in its Triton config."""
 
     modality: str
     limits: EngineLimits
     perception: PerceptionFacts
     template: ChatTemplate
     lora_uids: tuple[str, ...] = ()
+    parameters: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, exporter: Any) -> ModelFacts:
@@ -49,6 +50,7 @@ class ModelFacts:
         perception = engine.perception
         return cls(modality=exporter.modality, limits=engine.limits, template=engine.template,
                    lora_uids=tuple(exporter.lora_uids),
+                   parameters=dict(getattr(exporter, "triton_model_parameters", dict)()),
                    perception=PerceptionFacts(media_name=getattr(perception, "media_name", "image"),
                                               placeholder=getattr(perception, "placeholder", None),
                                               placeholder_aliases=tuple(getattr(perception, "placeholder_aliases",

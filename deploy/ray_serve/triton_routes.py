@@ -5,7 +5,8 @@ backend="ray")`, `query.py`-style JSON clients and curl reach a Ray deployment a
   extension as `tritonclient.http` sends it; the answer's `outputs` hold one answer per beam for each prompt.
 - `POST /v2/models/<name>/generate_stream` (also under `<name>_stream`): Triton's generate extension, one prompt,
   answered as server-sent events `data: {"model_name", "model_version", "outputs": "<piece>"}`.
-- `GET /v2/models/<name>` and `/v2/models/<name>/config`: the name, the inputs, `max_batch_size`.
+- `GET /v2/models/<name>` (metadata: the tensors) and `/v2/models/<name>/config` (Triton's config: the tensors,
+  `max_batch_size`, and the parameters the model publishes for its clients), also under `<name>_stream`.
 
 A failure answers `{"error": "<one line>"}` with Triton's statuses: 400 bad input, 404 an unknown model, 500 a
 fault of the model, 503 a replica that died under the request.
@@ -26,7 +27,7 @@ from deploy.openai.app import relay
 from deploy.ray_serve.remote import RemoteEngine
 from deploy.ray_serve.transport import Failure
 from deploy.triton_errors import BAD_REQUEST, one_line
-from wire import WireError, multimodal_triton_inputs, stream_model_name
+from wire import WireError, multimodal_triton_inputs, multimodal_triton_outputs, stream_model_name
 from wire.http_json import (
     HEADER_LENGTH,
     datatype_of,
@@ -37,6 +38,12 @@ from wire.http_json import (
 )
 
 NOT_FOUND = 404
+PLATFORM = "ray_serve"
+
+
+def config_type(datatype: str) -> str:
+    """A Triton config's `data_type` for a datatype name (`BYTES` is `TYPE_STRING`)."""
+    return "TYPE_STRING" if datatype == "BYTES" else f"TYPE_{datatype}"
 
 
 def triton_error(status: int, message: str) -> JSONResponse:
@@ -53,15 +60,24 @@ def add_triton_routes(app: FastAPI, remote: RemoteEngine, model_name: str) -> No
     def unknown(name: str) -> JSONResponse:
         return triton_error(NOT_FOUND, f"unknown model {name!r}; this server serves {model_name!r}")
 
+    tensors = {"input": inputs, "output": multimodal_triton_outputs()}
+
     @app.get("/v2/models/{name}")
+    async def model_metadata(name: str) -> Any:
+        if name not in names:
+            return unknown(name)
+        return {"name": name, "versions": ["1"], "platform": PLATFORM,
+                **{f"{kind}s": [{"name": t.name, "datatype": datatype_of(t.dtype), "shape": [-1, *t.shape]}
+                                for t in specs] for kind, specs in tensors.items()}}
+
     @app.get("/v2/models/{name}/config")
     async def model_config(name: str) -> Any:
         if name not in names:
             return unknown(name)
-        return {"name": name, "versions": ["1"], "platform": "ray_serve",
-                "max_batch_size": remote.facts.limits.max_batch_size,
-                "inputs": [{"name": n, "datatype": d} for n, d in datatypes.items()],
-                "outputs": [{"name": "outputs", "datatype": "BYTES"}]}
+        return {"name": name, "platform": PLATFORM, "max_batch_size": remote.facts.limits.max_batch_size,
+                **{kind: [{"name": t.name, "data_type": config_type(datatype_of(t.dtype)), "dims": list(t.shape)}
+                          for t in specs] for kind, specs in tensors.items()},
+                "parameters": {key: {"string_value": value} for key, value in remote.facts.parameters.items()}}
 
     @app.post("/v2/models/{name}/infer")
     async def infer(name: str, request: Request) -> Response:
