@@ -327,7 +327,7 @@ def llava_engine(folder: Path, setting: Setting, words: list[str]) -> Path:
     import torch
 
     from exporter import TensorRTMMExporter
-    from exporter.nemo_writer import write_nemo
+    from tools.nemo_writer import write_nemo
 
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
         tokenizer = Path(tmp) / "tokenizer.model"

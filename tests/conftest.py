@@ -79,15 +79,10 @@ def tiny_gpt_weights():
 
 
 def load_demo_builder():
-    """scripts/make_demo_checkpoint.py as a module (its image generator and labels)."""
-    import importlib.util
-    from pathlib import Path
+    """The demo builder, tools/make_demo_checkpoint.py (its image generator and labels)."""
+    from tools import make_demo_checkpoint
 
-    path = Path(__file__).resolve().parents[1] / "scripts" / "make_demo_checkpoint.py"
-    spec = importlib.util.spec_from_file_location("make_demo_checkpoint", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return make_demo_checkpoint
 
 
 def stop_server(process, timeout_s: float = 120) -> int:

@@ -23,8 +23,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from exporter.nemo_writer import fuse_qkv, hf_llama_to_nemo, write_nemo
 from exporter.perception.audio import AudioPerception
+from tools.nemo_writer import fuse_qkv, hf_llama_to_nemo, write_nemo
 from vlm_fixtures import FFN, GROUPS, HEADS, HIDDEN, LAYERS, tokenizer_file
 
 RATE = 16000

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter.nemo_writer import write_nemo
+from tools.nemo_writer import write_nemo
 
 MB = 1 << 20
 

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from exporter.checkpoint import NemoCheckpoint, NemoCheckpointError
 from exporter.llm.tokenizer import TokenizerError, load_tokenizer
-from exporter.nemo_writer import write_nemo
+from tools.nemo_writer import write_nemo
 
 METADATA = "model_weights/.metadata"
 

@@ -1,4 +1,4 @@
-"""Light checks of the demo builder (scripts/make_demo_checkpoint.py) and of the demo checkpoint it ships.
+"""Light checks of the demo builder (tools/make_demo_checkpoint.py) and of the demo checkpoint it ships.
 
 The accuracy of the exported demo model is tested elsewhere; here: the generated images show what their labels
 say, answers follow the question, training sequences match the v1 prompt, and demo/ holds a real .nemo.
@@ -92,7 +92,7 @@ def test_training_sequence_matches_v1_prompt(tmp_path):
 
 
 def test_shipped_checkpoint_is_a_nemo_tar():
-    assert DEMO_NEMO.is_file(), "run scripts/make_demo_checkpoint.py to build demo/neva_demo.nemo"
+    assert DEMO_NEMO.is_file(), "run python -m tools.make_demo_checkpoint to build demo/neva_demo.nemo"
     with tarfile.open(DEMO_NEMO) as tar:
         names = {name.removeprefix("./") for name in tar.getnames()}
         config = yaml.safe_load(tar.extractfile("./model_config.yaml"))

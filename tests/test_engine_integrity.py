@@ -16,11 +16,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_checkpoint_security import METADATA, replace_member, via_stack_global
 
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.engine import EngineError
-from test_checkpoint_security import METADATA, replace_member, via_stack_global
 from vlm_fixtures import build_vlm, random_image, tokenizer_file
 
 REPO = Path(__file__).resolve().parents[1]
@@ -88,7 +88,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(pristine):
 
 
 def _gadget_nemo(folder: Path, marker: Path, tiny_gpt_weights) -> Path:
-    from exporter.nemo_writer import write_nemo
+    from tools.nemo_writer import write_nemo
 
     config = {"num_layers": 1, "hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 4,
               "activation": "fast-swiglu", "normalization": "rmsnorm", "bias": False}

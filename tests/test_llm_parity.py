@@ -21,8 +21,8 @@ from transformers import (
 from conftest import train_sentencepiece
 from exporter.checkpoint import NemoCheckpoint
 from exporter.llm import Decoder, DecoderConfig, SamplingParams, load_llm
-from exporter.nemo_writer import fuse_qkv, hf_llama_to_nemo, write_nemo
 from exporter.runtime.scheduler import generate
+from tools.nemo_writer import fuse_qkv, hf_llama_to_nemo, write_nemo
 
 torch.set_num_threads(1)
 HIDDEN, LAYERS, VOCAB, FFN = 64, 2, 300, 96
@@ -317,7 +317,7 @@ def test_half_precisions_stay_close_to_float32():
             assert relative_error(model(model.embed(ids)), reference) < 3e-2
 
 
-# -- checkpoints in every layout, through exporter.checkpoint / exporter.nemo_writer -------------------------
+# -- checkpoints in every layout, through exporter.checkpoint / tools.nemo_writer -------------------------
 
 LAYOUT_HEADS, LAYOUT_GROUPS, PADDED_VOCAB = 8, 4, 384  # TP=4 needs the groups and the padded vocab to split
 

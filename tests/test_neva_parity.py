@@ -159,7 +159,7 @@ def test_hugging_face_tokenizer_hub_name_needs_tokenizer_path(sp_path, tmp_path)
 
     import yaml
 
-    from exporter.nemo_writer import tar_directory
+    from tools.nemo_writer import tar_directory
 
     unpacked = tmp_path / "unpacked"
     with tarfile.open(vlm.nemo) as archive:

@@ -184,7 +184,7 @@ def test_missing_tokenizer_path_is_reported(tmp_path):
 def test_tokenizer_from_a_nemo_archive(sp_model, tmp_path, layout):
     import torch
 
-    from exporter.nemo_writer import write_nemo
+    from tools.nemo_writer import write_nemo
 
     config = {
         "num_layers": 1,

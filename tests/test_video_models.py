@@ -39,9 +39,9 @@ from exporter.models.lita import (
     split_im_vid_block,
 )
 from exporter.models.templates import get_template
-from exporter.nemo_writer import hf_llama_to_nemo, write_nemo
 from exporter.perception.projector import PROJECTOR_PREFIX
 from exporter.runtime.pipeline import Pipeline, Request
+from tools.nemo_writer import hf_llama_to_nemo, write_nemo
 
 torch.set_num_threads(1)
 LITA_TOKENS = ["<extra_id_4>", "<extra_id_5>", "<extra_id_8>", "<extra_id_9>"]

@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from conftest import train_sentencepiece
-from exporter.nemo_writer import hf_llama_to_nemo, write_nemo
+from tools.nemo_writer import hf_llama_to_nemo, write_nemo
 
 HIDDEN, HEADS, GROUPS, FFN, LAYERS = 64, 4, 2, 128, 2
 TOWER_HIDDEN, IMAGE, PATCH = 32, 32, 8
