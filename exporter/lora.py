@@ -11,7 +11,6 @@ they add to the canonical tensors as they are. NeMo's own merge script leaves ou
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -30,11 +29,6 @@ _LORA_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.+\.adapter_layer\.lora_\w+)\
 
 class LoraMergeError(ValueError):
     """LoRA weights that cannot be merged (the message names the key or config field)."""
-
-
-def has_lora(weights: Mapping[str, torch.Tensor]) -> bool:
-    """Whether canonical ``weights`` hold LoRA adapter tensors."""
-    return any(LORA_MARKER in name for name in weights)
 
 
 def merge_lora(weights: dict[str, torch.Tensor], model_config: Any) -> dict[str, torch.Tensor]:
