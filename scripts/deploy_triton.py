@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 
 from deploy import DeployPyTriton
 from deploy.startup import DeployError, check_model_repository, check_port_free
-from wire import MODEL_TYPE_MODALITY, modality_of, stream_model_name
+from wire import MODALITIES, stream_model_name
 
 LOGGER = logging.getLogger("deploy_triton")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -42,13 +42,13 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
         "-mod",
         "--modality",
         str,
-        ("vision", "audio"),
+        MODALITIES,
         None,
         "modality of the model (default: from --model_type)",
     ),
     ("-vc", "--visual_checkpoint", str, None, None, "source .nemo file of the multimodal model to export"),
     ("-lc", "--llm_checkpoint", str, None, None, "source .nemo file of the LLM, if separate"),
-    ("-mt", "--model_type", str, tuple(MODEL_TYPE_MODALITY), None, "type of the model"),
+    ("-mt", "--model_type", str, None, None, "type of the model (one registered in exporter/models/)"),
     ("-lmt", "--llm_model_type", str, LLM_MODEL_TYPES, "llama", "type of the LLM"),
     ("-tmn", "--triton_model_name", str, None, None, "name clients query the model by (required)"),
     ("-tmv", "--triton_model_version", int, None, 1, "version of the served model"),
@@ -223,7 +223,9 @@ def _validate(settings: dict) -> None:
     if settings["visual_checkpoint"] and not settings["model_type"]:
         raise ValueError("exporting a checkpoint needs -mt/--model_type")
     if settings["model_type"]:
-        expected = modality_of(settings["model_type"])
+        from exporter.models import get_model_type  # the registry only when a type is named
+
+        expected = get_model_type(settings["model_type"]).modality
         if settings["modality"] not in (None, expected):
             raise ValueError(
                 f"--model_type {settings['model_type']} takes --modality {expected}, "

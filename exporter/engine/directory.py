@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -79,6 +79,8 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
         ExportQuantization.from_options(quantization, calib_data, device)
     target = torch_dtype(dtype)
     limits = limits or EngineLimits()
+    if limits.vision_max_batch_size is None:  # the manifest records the model type's default
+        limits = replace(limits, vision_max_batch_size=kind.perception.encoder_batch)
     checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
     config = checkpoint.config
     weights = checkpoint.state_dict()
@@ -210,6 +212,7 @@ def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = 
                                       dtype=target, device=device)
     tokenizer = load_saved_tokenizer(llm_dir, json.loads((llm_dir / "tokenizer_description.json").read_text()))
     template = ChatTemplate.from_dict(json.loads((llm_dir / "template.json").read_text()))
+    limits = EngineLimits(**manifest["limits"])
     perception = kind.load_perception(model_dir / kind.perception_dir, device=device, dtype=target,
-                                      media=media)
-    return Engine(manifest, EngineLimits(**manifest["limits"]), decoder, tokenizer, template, perception)
+                                      media=media, encoder_batch=limits.vision_max_batch_size)
+    return Engine(manifest, limits, decoder, tokenizer, template, perception)
