@@ -143,14 +143,14 @@ def demo_script_server(folder: Path, *flags: str) -> Iterator[ScriptServer]:
 
 @contextmanager
 def demo_deployed(engine_dir: Path, max_batch_size: int, max_output_len: int, streaming: bool = False,
-                  max_beam_width: int = 1) -> Iterator[tuple[str, str, object]]:
-    """The demo Neva exported into `engine_dir` (float32, CPU, max_input_len 200) and served in this process by
-    `DeployPyTriton` on free loopback ports: (HTTP URL, gRPC URL, the deployer), stopped on exit."""
+                  max_beam_width: int = 1, model_type: str = "neva") -> Iterator[tuple[str, str, object]]:
+    """The demo Neva exported into `engine_dir` (float32, CPU, max_input_len 200) as `model_type` and served in this
+    process by `DeployPyTriton` on free loopback ports: (HTTP URL, gRPC URL, the deployer), stopped on exit."""
     from deploy import DeployPyTriton
     from exporter import TensorRTMMExporter
 
     exporter = TensorRTMMExporter(engine_dir, device="cpu")
-    exporter.export(REPO / "demo" / "neva_demo.nemo", model_type="neva", dtype="float32",
+    exporter.export(REPO / "demo" / "neva_demo.nemo", model_type=model_type, dtype="float32",
                     max_batch_size=max_batch_size, max_input_len=200, max_output_len=max_output_len,
                     max_multimodal_len=max_batch_size * 64, max_beam_width=max_beam_width)
     http_port, grpc_port = free_port(), free_port()

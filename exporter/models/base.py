@@ -126,9 +126,10 @@ class Perception(ABC):
     def checked_items(self, items: list[Any]) -> list[Any]:
         """``items`` if there are no more than ``max_items``; MultimodalInputError otherwise."""
         if self.max_items is not None and len(items) > self.max_items:
-            allowed = "one" if self.max_items == 1 else f"at most {self.max_items}"
-            raise MultimodalInputError(f"this model takes {allowed} {self.media_name} per request, got "
-                                       f"{len(items)} media items; send them in separate requests")
+            noun = self.media_name
+            allowed = f"one {noun}" if self.max_items == 1 else f"at most {self.max_items} {noun}s"
+            raise MultimodalInputError(f"this model takes {allowed} per request, got {len(items)} media items; "
+                                       "send them in separate requests")
         return items
 
     @property

@@ -242,10 +242,9 @@ class LitaModel(ImageModel):
 
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
                         media: MediaPolicy | None = None, encoder_batch: int | None = None) -> LitaPerception:
-        image = super().load_perception(directory, device=device, dtype=dtype, media=media)
+        parts = self.load_encoder(directory, device=device, dtype=dtype, media=media)
         settings = LitaSettings(**read_config_section(directory, "lita"))
-        return LitaPerception(image.encoder, image.preprocessor, image.use_im_start_end, video_limits(media),
-                              settings, encoder_batch)
+        return LitaPerception(*parts, video_limits(media), settings, encoder_batch)
 
 
 MODEL_TYPES = (LitaModel("lita"), LitaModel("vita"))

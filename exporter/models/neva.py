@@ -19,6 +19,7 @@ from wire.media import IMAGE
 
 from ..llm.tokenizer import Tokenizer
 from ..media_safety import MediaPolicy
+from ..perception.image_preprocess import ImagePreprocessor
 from ..perception.vision_encoder import VisionEncoder, build_vision_encoder
 from ..runtime.cuda_graphs import GraphedCall
 from .base import ModelType, MultimodalInputError, Perception, PromptLayout, media_list
@@ -35,7 +36,7 @@ class ImagePerception(Perception):
     placeholder = IMAGE_PLACEHOLDER
     encoder_batch = 16
 
-    def __init__(self, encoder: VisionEncoder, preprocessor, use_im_start_end: bool = False,
+    def __init__(self, encoder: VisionEncoder, preprocessor: ImagePreprocessor, use_im_start_end: bool = False,
                  max_encoder_batch: int | None = None):
         self.encoder = encoder
         self.preprocessor = preprocessor
@@ -50,7 +51,7 @@ class ImagePerception(Perception):
     def media_items(self, media: Any) -> list[Any]:
         if isinstance(media, np.ndarray) and media.ndim == 4:  # NeMo's wire shape: [images, H, W, 3]
             media = list(media)
-        return media_list(media)
+        return self.checked_items(media_list(media))
 
     def load_media(self, media: Any) -> list[torch.Tensor]:
         return [self.preprocessor.preprocess_one(item) for item in self.media_items(media)]
@@ -128,11 +129,17 @@ class ImageModel(ModelType):
 
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
                         media: MediaPolicy | None = None, encoder_batch: int | None = None) -> ImagePerception:
+        return self.perception(*self.load_encoder(directory, device=device, dtype=dtype, media=media),
+                               max_encoder_batch=encoder_batch)
+
+    def load_encoder(self, directory: Path, *, device: str, dtype: torch.dtype | None,
+                     media: MediaPolicy | None) -> tuple[VisionEncoder, ImagePreprocessor, bool]:
+        """The vision encoder, its image preprocessing (capped by ``media``) and ``use_im_start_end``, as
+        ``save_perception`` wrote them."""
         config = json.loads((directory / "config.json").read_text())
         weights = load_file(str(directory / "model.safetensors"))
         encoder = VisionEncoder.from_spec(config["encoder"], weights, dtype=dtype).to(device)
         overrides = {} if media is None else {"max_image_pixels": media.max_image_pixels}
-        return ImagePerception(encoder, encoder.preprocessor(**overrides), config["use_im_start_end"], encoder_batch)
-
+        return encoder, encoder.preprocessor(**overrides), config["use_im_start_end"]
 
 MODEL_TYPES = (ImageModel("neva"), ImageModel("vila"))

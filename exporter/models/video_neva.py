@@ -176,9 +176,9 @@ class VideoNevaModel(ImageModel):
 
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
                         media: MediaPolicy | None = None, encoder_batch: int | None = None) -> VideoNevaPerception:
-        image = super().load_perception(directory, device=device, dtype=dtype, media=media)
-        return VideoNevaPerception(image.encoder, image.preprocessor, image.use_im_start_end, video_limits(media),
-                                   max_encoder_batch=encoder_batch, **read_config_section(directory, "video"))
+        parts = self.load_encoder(directory, device=device, dtype=dtype, media=media)
+        return VideoNevaPerception(*parts, video_limits(media), max_encoder_batch=encoder_batch,
+                                   **read_config_section(directory, "video"))
 
 
 MODEL_TYPES = (VideoNevaModel("video-neva"),)
