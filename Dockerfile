@@ -10,10 +10,11 @@ COPY pyproject.toml README.md ./
 COPY exporter exporter
 COPY deploy deploy
 COPY query query
+COPY wire wire
 COPY scripts scripts
 COPY configs configs
 COPY demo demo
-RUN python -m pip install --no-cache-dir -e .
+RUN python -m pip install --no-cache-dir -e ".[openai]"
 
 EXPOSE 8000 8001 8002
 ENTRYPOINT ["python", "scripts/deploy_triton.py", "--triton_http_address", "0.0.0.0"]
