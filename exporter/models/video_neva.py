@@ -158,9 +158,6 @@ class VideoNevaModel(ImageModel):
 
     perception = VideoNevaPerception
 
-    def __init__(self, name: str = "video-neva"):
-        super().__init__(name)
-
     def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
                          vision_tower_path: str | None, audio_frontend: str | None = None) -> VisionEncoder:
         video_neva_settings(model_config)
