@@ -41,7 +41,8 @@ def test_each_type_is_declared_in_its_own_module():
         kind = registered[name]
         assert kind in importlib.import_module(f"exporter.models.{module}").MODEL_TYPES
         assert get_model_type(name) is kind
-    assert [registered[name].media for name in ("neva", "video-neva", "salm")] == [(IMAGE,), (VIDEO, IMAGE), (AUDIO,)]
+    assert [registered[name].perception.media for name in ("neva", "video-neva", "salm")] == [
+        (IMAGE,), (VIDEO, IMAGE), (AUDIO,)]
     assert [registered[name].modality for name in ("vila", "lita", "salm")] == ["vision", "vision", "audio"]
     assert registered["salm"].perception.placeholder is None and registered["lita"].perception.placeholder == "<video>"
     with pytest.raises(ValueError, match="unsupported model_type 'llava'; supported: lita, neva"):

@@ -63,11 +63,6 @@ class ModelType(ABC):
     perception_dir: str  # "visual_engine" or "perception_engine"
 
     @property
-    def media(self) -> tuple[MediaKind, ...]:
-        """The media kinds requests carry, the default first (the perception's declaration)."""
-        return self.perception.media
-
-    @property
     def modality(self) -> str:
         """``vision`` or ``audio``: the Triton inputs that carry the type's raw media."""
         return self.perception.media[0].modality
