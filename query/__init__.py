@@ -1,6 +1,6 @@
 """Querying served multimodal models (NeMo's `NemoQueryMultimodal`) and client-side media loading.
 
-Needs neither torch nor Triton's server: `pip install nemo-mm-deploy` (the client install) is enough.
+Needs neither torch nor Triton's server: the base install (`pip install .` from a clone) is enough.
 """
 
 from query.media import MediaError
