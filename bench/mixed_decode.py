@@ -60,8 +60,10 @@ def decoder(shape: dict, device: torch.device, dtype: torch.dtype) -> Decoder:
     return Decoder.from_state_dict(config, weights)
 
 
-def measure(model: Decoder, rows: int, requests: list[SamplingParams], context: int, steps: int) -> dict:
-    """ms per decode step with these requests admitted together, and the share of steps queued ahead."""
+def measure(model: Decoder, rows: int, requests: list[SamplingParams], context: int, steps: int,
+            lora_uids: list[str | None] | None = None) -> dict:
+    """ms per decode step with these requests admitted together (request i with LoRA adapter ``lora_uids[i]``), and
+    the share of steps queued ahead."""
     device = model.device
     prompts = torch.randn(len(requests), context, model.config.hidden_size, device=device, dtype=model.dtype) * 0.02
     scheduler = Scheduler(model, max_slots=rows, max_seq_len=context + steps, eos_id=None,
@@ -70,7 +72,8 @@ def measure(model: Decoder, rows: int, requests: list[SamplingParams], context: 
         scheduler.warm_up()
 
     def run() -> tuple[float, int]:
-        requests_ = [scheduler.submit(prompts[i], [-1] * context, params) for i, params in enumerate(requests)]
+        requests_ = [scheduler.submit(prompts[i], [-1] * context, params, lora_uid=lora_uids[i] if lora_uids else None)
+                     for i, params in enumerate(requests)]
         scheduler.step()  # admission: prefill, first tokens, the first decode step
         launched = scheduler.decode_steps
         if device.type == "cuda":

@@ -21,14 +21,17 @@ from wire import (
     WireLimits,
     default_warmup_request,
     encode_outputs,
+    lora_uids_per_row,
     multimodal_triton_inputs,
     multimodal_triton_outputs,
     served_parameters,
     split_request,
 )
 
-from .engine import Engine, EngineLimits, export_engine, load_engine, read_manifest
+from .engine import Engine, EngineLimits, LoraOptions, export_engine, load_engine, read_manifest
 from .llm.generate import SamplingParams
+from .llm.lora_layers import LoraBank
+from .lora import LoraError, plan_lora, read_adapter, read_adapters
 from .media_safety import MediaPolicy
 from .models import get_model_type
 from .runtime import Completion, Pipeline, Request
@@ -47,11 +50,17 @@ class TensorRTMMExporter(ITritonDeployable):
     ``media_policy`` caps the media the model decodes (image pixels, video frames and duration, audio bytes and
     duration); None keeps each model type's defaults. ``verify_engine``: check the engine files' sha256 at load
     (None: when not verified in their current state before; sizes are always checked).
+
+    LoRA at load, next to the adapters the engine holds: ``lora_checkpoint_path`` serves more NeMo LoRA adapters
+    (see ``export``); ``lora_target_modules`` and ``max_lora_rank`` override the engine's; ``max_loras`` is how
+    many adapters can be served at once (default: as many as there are), room for ``load_lora`` while serving.
     """
 
     def __init__(self, model_dir: str | Path, load_model: bool = True, modality: str = "vision",
                  device: str | None = None, media_policy: MediaPolicy | None = None,
-                 verify_engine: bool | None = None):
+                 verify_engine: bool | None = None, *, lora_checkpoint_path: str | Path | Sequence[str] | None = None,
+                 lora_target_modules: Sequence[str] | None = None, max_lora_rank: int | None = None,
+                 max_loras: int | None = None):
         if modality not in MODALITIES:
             raise InvalidModalityError(f"modality must be one of {MODALITIES}, got {modality!r}")
         self.model_dir = Path(model_dir)
@@ -59,6 +68,9 @@ class TensorRTMMExporter(ITritonDeployable):
         self.device = device or _default_device()
         self.media_policy = media_policy
         self.verify_engine = verify_engine
+        self.lora = LoraOptions(tuple(read_adapters(lora_checkpoint_path)),
+                                None if lora_target_modules is None else tuple(lora_target_modules), max_lora_rank,
+                                max_loras)
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
         if load_model and (self.model_dir / "manifest.json").is_file():
@@ -94,6 +106,8 @@ class TensorRTMMExporter(ITritonDeployable):
         quantization: str | None = None,
         calib_data: str | Path | None = None,
         max_beam_width: int = 1,
+        merge_lora: bool = False,
+        max_loras: int | None = None,
     ) -> None:
         """Write the engine directory (NeMo's arguments; the keyword-only ones are this package's).
 
@@ -106,6 +120,15 @@ class TensorRTMMExporter(ITritonDeployable):
         ``quantization``: store the LLM layers' weights as ``int8_wo``, ``int4_wo``, ``int4_awq`` or ``fp8``
         (quantized on this exporter's device; see docs/fidelity.md); ``calib_data``: a text file of prompts, one a
         line, for int4_awq's calibration (default: prompts bundled with the package).
+
+        LoRA: ``lora_checkpoint_path`` names NeMo LoRA adapters (PEFT ``.nemo`` files or folders, TP shards too):
+        one, a folder of them, ``uid:path`` entries, or a list or comma-separated string of these; each is served
+        under its uid (its file name without ``.nemo`` unless given), chosen per request by ``lora_uids``, on the
+        modules ``lora_target_modules`` names (default: the ones the adapters adapt; NeMo's fused ``attn_qkv``,
+        ``attn_dense``, ``mlp_h_to_4h``, ``mlp_4h_to_h``) with ranks up to ``max_lora_rank``. ``use_lora_plugin``
+        (any value) serves LoRA without adapters at export (added at load or with ``load_lora``); the adapters run
+        in the model dtype. ``max_loras``: adapters served at once (default: one slot per adapter). ``merge_lora``:
+        merge the one adapter into the weights instead (NeMo's forward: scale alpha/dim; see docs/fidelity.md).
         """
         kind = get_model_type(model_type)
         if kind.modality != self.modality:
@@ -117,8 +140,14 @@ class TensorRTMMExporter(ITritonDeployable):
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported by the PyTorch engine; use 1")
-        if lora_checkpoint_path is not None or use_lora_plugin:
-            raise NotImplementedError("LoRA checkpoints are not supported yet; merge the LoRA into the checkpoint")
+        adapters = read_adapters(lora_checkpoint_path)
+        lora = merged = None
+        if merge_lora:
+            if len(adapters) != 1:
+                raise LoraError(f"merge_lora=True merges one LoRA adapter; lora_checkpoint_path names {len(adapters)}")
+            merged = adapters[0]
+        elif adapters or use_lora_plugin:
+            lora = plan_lora(adapters, lora_target_modules, max_lora_rank, max_loras)
         limits = EngineLimits(max_input_len=max_input_len, max_output_len=max_output_len,
                               max_batch_size=max_batch_size, max_multimodal_len=max_multimodal_len,
                               vision_max_batch_size=vision_max_batch_size, max_beam_width=max_beam_width)
@@ -128,7 +157,8 @@ class TensorRTMMExporter(ITritonDeployable):
                       dtype=dtype, vision_tower_path=vision_tower_path, tokenizer_path=tokenizer_path,
                       export_onnx=export_onnx, rename_keys=tuple(nemo_rename_key), audio_frontend=audio_frontend,
                       video_frame_sampling=video_frame_sampling,
-                      quantization=quantization, calib_data=calib_data, device=self.device)
+                      quantization=quantization, calib_data=calib_data, device=self.device, lora=lora,
+                      merged_lora=merged)
         if load_model:
             self._load()
 
@@ -140,7 +170,7 @@ class TensorRTMMExporter(ITritonDeployable):
         if self.pipeline is not None:
             self.pipeline.close()
         self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy,
-                                  verify=self.verify_engine)
+                                  verify=self.verify_engine, lora=self.lora)
         self.pipeline = Pipeline(self.engine)
 
     def forward(
@@ -159,6 +189,7 @@ class TensorRTMMExporter(ITritonDeployable):
     ) -> list[list[str]]:
         """Answer one prompt, or a list of prompts with one media entry each; returns ``[batch][beam]`` strings.
 
+        ``lora_uids``: the LoRA adapter of every prompt (one uid), or of each (one per prompt); ``"-1"``: none.
         The first failing request raises its error (use the Triton path for per-request errors).
         """
         pipeline = self._require_pipeline()
@@ -167,12 +198,12 @@ class TensorRTMMExporter(ITritonDeployable):
             else [input_media] * len(texts)
         if len(media) != len(texts):
             raise ValueError(f"got {len(texts)} prompts but {len(media)} media entries; give one per prompt")
-        if lora_uids:
-            raise NotImplementedError("lora_uids are not supported yet")
+        uids = lora_uids_per_row(lora_uids, len(texts))
         pipeline.engine.limits.check_batch(len(texts))
         params = SamplingParams(max_output_len=max_output_len, top_k=top_k, top_p=top_p, temperature=temperature,
                                 repetition_penalty=repetition_penalty, num_beams=num_beams)
-        results = pipeline.run([Request(t, m, params, apply_chat_template) for t, m in zip(texts, media)])
+        results = pipeline.run([Request(t, m, params, apply_chat_template, lora_uid=uid)
+                                for t, m, uid in zip(texts, media, uids)])
         for result in results:
             if isinstance(result, Exception):
                 raise result
@@ -185,6 +216,33 @@ class TensorRTMMExporter(ITritonDeployable):
     def stream(self, request: Request) -> Iterator[str]:
         """Yield the text of one request's answer piece by piece as it is generated."""
         return self._require_pipeline().stream(request)
+
+    # --- LoRA adapters while serving --------------------------------------------------------------------------------
+
+    @property
+    def lora_uids(self) -> list[str]:
+        """The LoRA adapters served now, by uid (none without an engine or LoRA)."""
+        bank = None if self.engine is None else self.engine.decoder.lora
+        return [] if bank is None else bank.uids
+
+    def load_lora(self, uid: str, lora_checkpoint_path: str | Path) -> None:
+        """Serve one more NeMo LoRA adapter under ``uid`` now, in a free slot (``max_loras``); requests name it at
+        once. It must fit the engine's ``lora_target_modules`` and ``max_lora_rank``."""
+        bank = self._lora_bank()
+        adapter = read_adapter(lora_checkpoint_path, uid)
+        plan_lora([adapter], bank.modules, bank.max_rank)
+        bank.add(adapter.uid, adapter.rank, adapter.scale, adapter.weights)
+
+    def unload_lora(self, uid: str) -> None:
+        """Stop serving adapter ``uid`` (requests already using it finish with it; its slot is then free)."""
+        self._lora_bank().remove(uid)
+
+    def _lora_bank(self) -> LoraBank:
+        bank = self._require_pipeline().engine.decoder.lora
+        if bank is None:
+            raise LoraError("this model serves no LoRA adapters; export it with use_lora_plugin or "
+                            "lora_checkpoint_path, or load it with max_loras")
+        return bank
 
     def _require_pipeline(self) -> Pipeline:
         if self.pipeline is None:
@@ -256,15 +314,13 @@ class TensorRTMMExporter(ITritonDeployable):
 
 
 def _pipeline_request(row: RequestRow) -> Request:
-    if row.lora_uids:
-        raise NotImplementedError("lora_uids are not supported yet")
     if row.media_bytes is not None:
         media: Any = row.media_bytes[0] if len(row.media_bytes) == 1 else list(row.media_bytes)
     elif row.media is not None:
         media = row.media  # [images or frames, H, W, 3]: the model type decides which
     else:
         media = row.signal
-    return Request(row.text, media, SamplingParams(**row.sampling))
+    return Request(row.text, media, SamplingParams(**row.sampling), lora_uid=row.lora_uid)
 
 
 def _default_device() -> str:

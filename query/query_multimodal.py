@@ -19,7 +19,15 @@ from PIL import Image
 
 from query import media as media_io
 from query.triton_client import QueryError, TritonModel, TritonUrl, server_error_summary
-from wire import MediaKind, ServedModel, decode_answer, param_tensors, stream_model_name
+from wire import (
+    LORA_UIDS,
+    MediaKind,
+    ServedModel,
+    decode_answer,
+    lora_uids_per_row,
+    param_tensors,
+    stream_model_name,
+)
 
 DEFAULT_INFERENCE_TIMEOUT_S = 300.0
 
@@ -82,6 +90,7 @@ class NemoQueryMultimodal:
     ) -> np.ndarray:
         """Answers as a str array `[prompt][beam]`; text and media may be lists (one each, or one shared).
 
+        `lora_uids`: the LoRA adapter of every prompt (one uid) or of each (one per prompt, "-1" for none).
         Raises QueryError with the server's message when the server fails the request.
         """
         texts = _as_list(input_text, (str,))
@@ -94,14 +103,16 @@ class NemoQueryMultimodal:
             texts *= len(medias)
         elif len(texts) != len(medias):
             raise ValueError(f"got {len(texts)} prompts but {len(medias)} media; give one media or one each")
-        params = param_tensors({
+        params = {
             "batch_size": batch_size, "max_output_len": max_output_len, "top_k": top_k, "num_beams": num_beams,
             "top_p": top_p, "temperature": temperature, "repetition_penalty": repetition_penalty,
-            "lora_uids": lora_uids,
-        })
+        }
+        row_params = [param_tensors({**params, LORA_UIDS: [uid] if uid else None})
+                      for uid in lora_uids_per_row(lora_uids, len(texts))]
         with self._lock:
             model = self._open_model(init_timeout, inference_timeout)
-            rows = [self._row(text, media, model.served, params) for text, media in zip(texts, medias, strict=True)]
+            rows = [self._row(text, media, model.served, tensors)
+                    for text, media, tensors in zip(texts, medias, row_params, strict=True)]
             answers: list[np.ndarray | None] = [None] * len(rows)
             for indices in _request_groups(rows, max(1, model.served.max_batch_size)):
                 outputs = self._infer(model, _stack([rows[i] for i in indices]))
@@ -133,7 +144,7 @@ class NemoQueryMultimodal:
             raise TypeError("query_stream answers one prompt: input_text must be a str (use query for several)")
         params = param_tensors({
             "max_output_len": max_output_len, "top_k": top_k, "top_p": top_p, "temperature": temperature,
-            "repetition_penalty": repetition_penalty, "lora_uids": lora_uids,
+            "repetition_penalty": repetition_penalty, LORA_UIDS: _row_uid(lora_uids),
         })
         model = TritonModel(self.url, stream_model_name(self.model_name), init_timeout=init_timeout,
                             inference_timeout=inference_timeout)
@@ -266,6 +277,12 @@ def _sse_error(body: bytes) -> str | None:
         return str(json.loads(text)["error"])
     except (ValueError, KeyError, TypeError):
         return text or None
+
+
+def _row_uid(lora_uids: Sequence[str] | None) -> list[str] | None:
+    """The `lora_uids` of a one-prompt request: its one uid, or None for no adapter."""
+    (uid,) = lora_uids_per_row(lora_uids, 1)
+    return [uid] if uid else None
 
 
 def _row_key(row: dict[str, np.ndarray]) -> tuple:

@@ -24,16 +24,6 @@ LOGGER = logging.getLogger("deploy_triton")
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 LLM_MODEL_TYPES = ("gptnext", "gpt", "llama", "falcon", "starcoder", "mixtral", "gemma")
-LORA_TARGET_MODULES = (
-    "attn_qkv",
-    "attn_q",
-    "attn_k",
-    "attn_v",
-    "attn_dense",
-    "mlp_h_to_4h",
-    "mlp_gate",
-    "mlp_4h_to_h",
-)
 
 # (short flag, long flag, type, choices, NeMo default, help). argparse itself defaults everything to None,
 # so a value from --config is overridden only by a flag actually given.
@@ -71,9 +61,14 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     ("-vmb", "--vision_max_batch_size", int, None, None,
      "max images, video frames or audio clips encoded at once (default: the model type's, 16 or 8 clips)"),
     (None, "--max_beam_width", int, None, 1, "max num_beams of a request (each beam takes a KV-cache row)"),
-    ("-ulp", "--use_lora_plugin", str, ("auto", "float16", "float32", "bfloat16"), None, "enable LoRA"),
-    ("-lcp", "--lora_checkpoint_path", str, None, None, "directory of the LoRA checkpoint"),
-    ("-mlr", "--max_lora_rank", int, None, 64, "max LoRA rank"),
+    ("-ulp", "--use_lora_plugin", str, ("auto", "float16", "float32", "bfloat16"), None,
+     "serve LoRA adapters (they run in the model dtype)"),
+    ("-lcp", "--lora_checkpoint_path", str, None, None,
+     "NeMo LoRA adapters (.nemo or folder): one, a folder of them, or uid:path entries, comma-separated; each is "
+     "served under its uid (exported with -vc, else added to the served engine)"),
+    ("-mlr", "--max_lora_rank", int, None, None, "max LoRA rank (default: 64 at export, else the engine's)"),
+    (None, "--max_loras", int, None, None,
+     "LoRA adapters served at once (default: one per adapter; more leave room for loading while serving)"),
     (None, "--grpc_port", int, None, 8001, "gRPC port of the Triton server"),
     (None, "--metrics_port", int, None, None,
      "port of the Prometheus metrics (this server's and Triton's; default: --triton_port + 2, or a free port)"),
@@ -119,7 +114,7 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     (None, "--media_local_dir", str, None, None, "folder media file:// URLs may be read from (default: none)"),
 )
 OPTIONAL_VALUE = {"use_lora_plugin": "auto"}  # given alone, the flag takes this value
-FLAG_OPTIONS = ("streaming", "media_allow_private_networks")
+FLAG_OPTIONS = ("streaming", "media_allow_private_networks", "merge_lora")
 DEFAULTS = {long[2:]: default for _, long, _, _, default, _ in OPTIONS} | {"lora_target_modules": None}
 DEFAULTS |= {name: False for name in FLAG_OPTIONS} | {"verify_engine": None}
 
@@ -138,9 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
         "-ltm",
         "--lora_target_modules",
         nargs="+",
-        choices=LORA_TARGET_MODULES,
         default=None,
-        help="modules that get LoRA (with --use_lora_plugin)",
+        help="modules LoRA adapters may adapt: NeMo's fused attn_qkv, attn_dense, mlp_h_to_4h, mlp_4h_to_h "
+        "(default: the ones the adapters adapt)",
+    )
+    parser.add_argument(
+        "--merge_lora",
+        action="store_true",
+        default=None,
+        help="merge the one --lora_checkpoint_path adapter into the exported weights instead of serving it per request",
     )
     parser.add_argument(
         "--streaming",
@@ -206,11 +207,14 @@ def _validate(settings: dict) -> None:
             raise ValueError(f"{long} must be {kind.__name__}, got {value!r}")
     if settings["verify_engine"] not in (None, True, False):
         raise ValueError(f"verify_engine must be true or false, got {settings['verify_engine']!r}")
-    for value in settings["lora_target_modules"] or ():
-        if value not in LORA_TARGET_MODULES:
-            raise ValueError(
-                f"--lora_target_modules {value!r} is not one of {', '.join(LORA_TARGET_MODULES)}"
-            )
+    if settings["lora_target_modules"] or settings["max_lora_rank"] is not None:
+        from exporter.lora import plan_lora  # the exporter only when asked (the script starts without it)
+
+        rank = settings["max_lora_rank"]
+        plan_lora([], settings["lora_target_modules"], 1 if rank is None else rank)  # names a bad module or rank
+    if settings["merge_lora"] and not (settings["visual_checkpoint"] and settings["lora_checkpoint_path"]):
+        raise ValueError("--merge_lora merges an adapter at export: give -vc/--visual_checkpoint and "
+                         "-lcp/--lora_checkpoint_path")
     if not settings["triton_model_name"]:
         raise ValueError(
             "no model name: give -tmn/--triton_model_name or set triton_model_name in the config"
@@ -253,6 +257,9 @@ def build_deployable(settings: argparse.Namespace):
     except ImportError as error:
         raise DeployError(f"the exporter cannot be imported ({error}); check the installation") from error
     extra = {"device": settings.device} if settings.device else {}
+    if not exporting:  # LoRA adapters and settings added to the served engine's
+        extra.update(lora_checkpoint_path=settings.lora_checkpoint_path, max_lora_rank=settings.max_lora_rank,
+                     lora_target_modules=settings.lora_target_modules, max_loras=settings.max_loras)
     step = "loading the model repository"
     try:
         exporter = TensorRTMMExporter(
@@ -285,8 +292,10 @@ def _export_arguments(settings: argparse.Namespace) -> dict:
         "dtype": settings.dtype,
         "use_lora_plugin": settings.use_lora_plugin,
         "lora_target_modules": settings.lora_target_modules,
-        "max_lora_rank": settings.max_lora_rank,
+        "max_lora_rank": 64 if settings.max_lora_rank is None else settings.max_lora_rank,
         "lora_checkpoint_path": settings.lora_checkpoint_path,
+        "merge_lora": settings.merge_lora,
+        "max_loras": settings.max_loras,
     }
     for name in ("vision_tower_path", "tokenizer_path", "audio_frontend", "video_frame_sampling", "quantization",
                  "calib_data"):

@@ -83,7 +83,7 @@ class StubMultimodalModel(ITritonDeployable):
             raise ValueError(f"temperature must be > 0, got {params['temperature']}")
         media = self._describe_media(row)
         beams = params.pop("num_beams")
-        lora = f"|lora={','.join(row.lora_uids)}" if row.lora_uids else ""
+        lora = f"|lora={row.lora_uid}" if row.lora_uid else ""
         return [expected_answer(row.text, media, beam, **params) + lora for beam in range(beams)]
 
     def _describe_media(self, row: RequestRow) -> str:

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from exporter import TensorRTMMExporter
 from exporter.engine import EngineError
 from exporter.llm.generate import SamplingParams
-from exporter.lora import LoraMergeError, lora_alpha_and_dim, merge_lora
+from exporter.lora import LoraError, lora_alpha_and_dim, merge_lora
 from exporter.media_safety import MediaPolicy
 from exporter.models.salm import SalmModel, salm_prompt, salm_template
 from exporter.perception.audio_io import AudioLimits, AudioLoadError, load_audio
@@ -240,11 +240,11 @@ def test_lora_merge_scale_and_errors():
     torch.testing.assert_close(merged["decoder.layers.0.self_attention.linear_proj.weight"], base + b @ a)
     scaled = merge_lora(dict(weights), {"peft": {"lora_tuning": {"adapter_dim": 2, "alpha": 6}}})
     torch.testing.assert_close(scaled["decoder.layers.0.self_attention.linear_proj.weight"], base + 3 * b @ a)
-    with pytest.raises(LoraMergeError, match="rank 2"):
+    with pytest.raises(LoraError, match="rank 2"):
         merge_lora(dict(weights), {"peft": {"lora_tuning": {"adapter_dim": 8}}})
-    with pytest.raises(LoraMergeError, match="lacks its linear_out"):
+    with pytest.raises(LoraError, match="lacks its linear_out"):
         merge_lora({k: v for k, v in weights.items() if "linear_out" not in k}, {})
-    with pytest.raises(LoraMergeError, match="not one this exporter merges"):
+    with pytest.raises(LoraError, match="not one this exporter merges"):
         merge_lora({"decoder.layers.0.self_attention.adapter_layer.lora_unfused_kqv_adapter.q_adapter.linear_in"
                     ".weight": a}, {})
 

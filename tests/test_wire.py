@@ -63,7 +63,7 @@ def test_client_parameters_map_to_sampling_fields_once():
     (row,) = split_request(request)
     assert row.sampling == {"max_output_len": 12, "top_k": 5, "num_beams": 2, "top_p": 0.5, "temperature": 0.75,
                             "repetition_penalty": 1.25}
-    assert row.lora_uids == ("a",)
+    assert row.lora_uid == "a"
     assert SamplingParams(**row.sampling).top_k == 5  # every field the wire sets is a SamplingParams field
     assert param_tensors({"top_k": None}) == {}
     with pytest.raises(ValueError, match="unknown generation parameters \\['topk'\\]"):

@@ -17,7 +17,15 @@ from wire.media import (
     media_kind,
     served_parameters,
 )
-from wire.params import LORA_UIDS, PARAMS, WireParam, param_tensors, sampling_fields
+from wire.params import (
+    LORA_UIDS,
+    NO_LORA_UIDS,
+    PARAMS,
+    WireParam,
+    lora_uids_per_row,
+    param_tensors,
+    sampling_fields,
+)
 from wire.request import (
     PROMPT_BYTES_PER_TOKEN,
     InferRequest,
@@ -40,6 +48,7 @@ __all__ = [
     "LORA_UIDS",
     "MEDIA_KINDS",
     "MODALITIES",
+    "NO_LORA_UIDS",
     "PARAMS",
     "PROMPT_BYTES_PER_TOKEN",
     "STREAM_MODEL_SUFFIX",
@@ -55,6 +64,7 @@ __all__ = [
     "decode_answer",
     "default_warmup_request",
     "encode_outputs",
+    "lora_uids_per_row",
     "media_kind",
     "multimodal_triton_inputs",
     "multimodal_triton_outputs",

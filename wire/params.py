@@ -7,7 +7,7 @@ keyword arguments into tensors. `batch_size` is NeMo's and carries no sampling f
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,7 +34,24 @@ PARAMS: tuple[WireParam, ...] = (
 """Every generation parameter, in NeMo's order."""
 
 LORA_UIDS = "lora_uids"
-"""NeMo's per-row LoRA adapter ids (bytes, (-1,)): accepted on the wire, refused by the engine."""
+"""NeMo's LoRA adapter uids (bytes, (-1,) per row): the row's adapter, or NeMo's list of one uid per prompt of the
+request in every row (`lora_uids_per_row`)."""
+NO_LORA_UIDS = ("", "-1")
+"""The uids that mean "no adapter" (TensorRT-LLM's -1)."""
+
+
+def lora_uids_per_row(uids: Sequence[str] | None, rows: int) -> list[str | None]:
+    """Each of `rows` prompts' LoRA uid from NeMo's `lora_uids`: one uid for all of them, or one per prompt; None
+    for no adapter ("-1", "" or no uids). Another count is a ValueError."""
+    if not uids:
+        return [None] * rows
+    names = [str(uid).strip() for uid in uids]
+    if len(names) == 1:
+        names *= rows
+    elif len(names) != rows:
+        raise ValueError(f"lora_uids holds {len(names)} uids for {rows} prompts; give one uid for all, or one per "
+                         "prompt ('-1' for none)")
+    return [None if name in NO_LORA_UIDS else name for name in names]
 
 
 def sampling_fields(request: Mapping[str, np.ndarray], row: int) -> dict[str, int | float]:

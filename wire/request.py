@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from wire.params import LORA_UIDS, PARAMS, sampling_fields
+from wire.params import LORA_UIDS, PARAMS, lora_uids_per_row, sampling_fields
 
 PROMPT_BYTES_PER_TOKEN = 32
 """A prompt of `max_input_len` tokens is refused unread above `max_input_len` × this many UTF-8 bytes (a
@@ -74,14 +74,15 @@ class WireLimits:
 
 @dataclass(frozen=True)
 class RequestRow:
-    """One prompt of a request, decoded: `sampling` holds the `SamplingParams` fields the row sets."""
+    """One prompt of a request, decoded: `sampling` holds the `SamplingParams` fields the row sets, `lora_uid` the
+    LoRA adapter it asks for (None: none)."""
 
     text: str
     media_bytes: tuple[bytes, ...] | None = None
     media: np.ndarray | None = None
     signal: np.ndarray | None = None
     sampling: Mapping[str, int | float] = field(default_factory=dict)
-    lora_uids: tuple[str, ...] = ()
+    lora_uid: str | None = None
 
 
 def _encoded_item_cap(max_item_bytes: int) -> int:
@@ -94,7 +95,7 @@ def split_request(request: Mapping[str, np.ndarray], limits: WireLimits = WireLi
     arrays = {name: np.asarray(value) for name, value in request.items()}
     rows = _check_shapes(arrays, limits)
     _check_sizes(arrays, limits)
-    return [_decode_row(arrays, row, limits) for row in range(rows)]
+    return [_decode_row(arrays, row, rows, limits) for row in range(rows)]
 
 
 def _check_shapes(arrays: Mapping[str, np.ndarray], limits: WireLimits) -> int:
@@ -158,7 +159,7 @@ def _check_sizes(arrays: Mapping[str, np.ndarray], limits: WireLimits) -> None:
             raise WireError(f"input_signal holds {samples} samples, over the cap of {limits.max_signal_samples}")
 
 
-def _decode_row(arrays: Mapping[str, np.ndarray], row: int, limits: WireLimits) -> RequestRow:
+def _decode_row(arrays: Mapping[str, np.ndarray], row: int, rows: int, limits: WireLimits) -> RequestRow:
     text = _utf8(arrays["input_text"][row].reshape(-1)[0], f"input_text of row {row}")
     media_bytes = None
     if "input_media_bytes" in arrays:
@@ -173,11 +174,15 @@ def _decode_row(arrays: Mapping[str, np.ndarray], row: int, limits: WireLimits) 
                 raise WireError(f"input_signal_length of row {row} is {length}, "
                                 f"but input_signal has {signal.shape[0]} samples")
             signal = signal[:length]
-    uids = ()
+    uid = None
     if LORA_UIDS in arrays:
-        uids = tuple(_utf8(uid, f"{LORA_UIDS} of row {row}") for uid in arrays[LORA_UIDS][row].reshape(-1))
+        uids = [_utf8(uid, f"{LORA_UIDS} of row {row}") for uid in arrays[LORA_UIDS][row].reshape(-1)]
+        try:
+            uid = lora_uids_per_row(uids, rows)[row]
+        except ValueError as error:
+            raise WireError(f"{LORA_UIDS} of row {row}: {error}") from None
     return RequestRow(text=text, media_bytes=media_bytes, media=media, signal=signal,
-                      sampling=sampling_fields(arrays, row), lora_uids=uids)
+                      sampling=sampling_fields(arrays, row), lora_uid=uid)
 
 
 def _media_item(value: object, row: int, limits: WireLimits) -> bytes:

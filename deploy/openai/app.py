@@ -127,6 +127,7 @@ class _BodyLimit:
                              code="request_too_large")
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await _drain(receive, int(declared))
             return await too_large.response()(scope, receive, send)
         chunks, size, more = [], 0, True
         while more:
@@ -135,11 +136,28 @@ class _BodyLimit:
                 return await self.app(scope, _replay([message]), send)
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
-            if size > self.max_bytes:
-                return await too_large.response()(scope, receive, send)
             more = message.get("more_body", False)
+            if size > self.max_bytes:
+                if more:
+                    await _drain(receive, size)
+                return await too_large.response()(scope, receive, send)
         body = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
         return await self.app(scope, _replay([body], receive), send)
+
+
+#: A refused body is read to its end (so the client, still sending, reads the 413 instead of a reset connection)
+#: up to this many bytes; a longer one is answered at once.
+DRAIN_LIMIT_BYTES = 64 << 20
+
+
+async def _drain(receive, declared: int) -> None:
+    """Read and drop the rest of a refused request body, up to `DRAIN_LIMIT_BYTES` in all."""
+    read = 0
+    while declared <= DRAIN_LIMIT_BYTES and read <= DRAIN_LIMIT_BYTES:
+        message = await receive()
+        read += len(message.get("body", b""))
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            return
 
 
 def _replay(messages: list[dict], then=None):
@@ -210,19 +228,14 @@ def create_app(exporter: Any, model_name: str, policy: MediaPolicy | None = None
                            code="not_ready")
         _ = model.engine
 
-    def require_model(name: str) -> None:
-        if name != model_name:
-            raise APIError(404, f"the model {name!r} does not exist; this server serves {model_name!r}",
-                           param="model", code="model_not_found")
-
     @app.get("/v1/models")
     async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model.card()]}
+        return {"object": "list", "data": model.cards()}
 
     @app.get("/v1/models/{name}")
     async def get_model(name: str) -> dict[str, Any]:
-        require_model(name)
-        return model.card()
+        model.lora_uid(name)  # 404 unless served
+        return next(card for card in model.cards() if card["id"] == name)
 
     @app.get("/v1/health/live")
     async def live() -> dict[str, str]:
@@ -236,7 +249,7 @@ def create_app(exporter: Any, model_name: str, policy: MediaPolicy | None = None
     @app.post("/v1/chat/completions")
     async def chat_completions(http_request: Request):
         body = await _chat_body(http_request)
-        require_model(body.model)
+        model.lora_uid(body.model)  # 404 for a model not served
         require_ready()
         try:
             request = await to_pipeline_request(body, model, fetcher)
@@ -244,13 +257,13 @@ def create_app(exporter: Any, model_name: str, policy: MediaPolicy | None = None
                 result = (await anyio.to_thread.run_sync(exporter.generate, [request]))[0]
                 if isinstance(result, Exception):
                     raise result
-                return completion_body(result, request, model_name)
+                return completion_body(result, request, body.model)
             # the first piece is awaited here, so that errors before any text still get their status
             pieces = await anyio.to_thread.run_sync(lambda: peeked(iter(exporter.stream(request))))
         except Exception as error:  # noqa: BLE001 - mapped to an OpenAI error object
             raise api_error(error) from error
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(relay(stream_events(pieces, request, model_name, include_usage)),
+        return StreamingResponse(relay(stream_events(pieces, request, body.model, include_usage)),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     return app

@@ -10,6 +10,7 @@ Translation to the pipeline (`exporter.runtime.Request`):
   placeholders (`<image>` / `<video>`), the layout LLaVA-style checkpoints were trained on, unless the text holds
   the placeholders itself: then the media fill them in order. The text of one request is capped at
   `MAX_TEXT_BYTES` (413) before anything is tokenized.
+- `model` is the served name, or `<served name>:<uid>` for LoRA adapter `uid` (`/v1/models` lists each).
 - `max_tokens` (or `max_completion_tokens`) → `max_output_len` (default: the engine's limit); `temperature`,
   `top_p`, `seed`, `stop` → `SamplingParams`; `top_k` and `repetition_penalty` are accepted as extensions. With
   neither `temperature` nor `top_p` the answer is greedy (NeMo's default); `temperature: 0` is greedy too.
@@ -60,8 +61,26 @@ class ServedModel:
         perception = self.engine.perception
         return (perception.placeholder, *perception.placeholder_aliases) if perception.placeholder else ()
 
-    def card(self) -> dict[str, Any]:
-        return {"id": self.name, "object": "model", "created": self.created, "owned_by": OWNER}
+    def cards(self) -> list[dict[str, Any]]:
+        """The model list: the base model, then each LoRA adapter served as ``<name>:<uid>``."""
+        adapters = [{**self._card(f"{self.name}:{uid}"), "parent": self.name, "root": self.name}
+                    for uid in getattr(self.exporter, "lora_uids", ())]
+        return [self._card(self.name), *adapters]
+
+    def lora_uid(self, model: str) -> str | None:
+        """The LoRA adapter a request's ``model`` names (``<name>:<uid>``; None: the base model); 404 otherwise."""
+        if model == self.name:
+            return None
+        uids = getattr(self.exporter, "lora_uids", ())
+        prefix = f"{self.name}:"
+        if model.startswith(prefix) and model[len(prefix):] in uids:
+            return model[len(prefix):]
+        served = ", ".join(repr(card["id"]) for card in self.cards())
+        raise APIError(404, f"the model {model!r} does not exist; this server serves {served}", param="model",
+                       code="model_not_found")
+
+    def _card(self, model_id: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": self.created, "owned_by": OWNER}
 
 
 @dataclass(frozen=True)
@@ -107,7 +126,8 @@ async def to_pipeline_request(body: ChatCompletionRequest, model: ServedModel,
     params = sampling_params(body, model.engine.limits.max_output_len)
     media = await fetch_all(items, fetcher)
     return PipelineRequest(text="\n".join(user_texts), media=(media[0] if len(media) == 1 else media or None),
-                           params=params, system=_system_prompt(system_texts, model.engine.template.system))
+                           params=params, system=_system_prompt(system_texts, model.engine.template.system),
+                           lora_uid=model.lora_uid(body.model))
 
 
 def _check_text_size(texts: list[str]) -> None:

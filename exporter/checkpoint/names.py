@@ -38,6 +38,14 @@ DIST_EXPERT_NAMES = (("mlp.experts.", "mlp.experts.experts."),)
 EXPERT_KEY = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.)local_experts\.(\d+)\.(linear_fc[12]\.\w+)$")
 #: TransformerEngine's grouped experts name expert e's weight `linear_fcX.weight<e>`.
 _TE_GROUPED_EXPERT = re.compile(r"^mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+#: A NeMo LoRA adapter's weights (relative to a layer): (adapter, linear_in | linear_out).
+_LORA_WEIGHT = re.compile(r"^(?:self_attention|mlp)\.adapter_layer\.(lora_\w+)\.(linear_in|linear_out)\.weight$")
+#: NeMo's LoRA adapters whose input is TP-split (on RowParallel projections): their `linear_in` is a RowParallel
+#: layer split along its input (dim 1). Every other `linear_in` (ColumnParallel, gathered) and every `linear_out`
+#: (ColumnParallel) is split along its output rows (dim 0).
+_LORA_ROW_PARALLEL = frozenset({"lora_dense_attention_adapter", "lora_4htoh_adapter"})
+#: The LoRA adapter tensor whose rows are fc1's `[gate; up]` (per TP rank `[gate_r; up_r]`).
+_LORA_FC1_OUT = "mlp.adapter_layer.lora_hto4h_adapter.linear_out.weight"
 #: Layer tensors that hold the split dim of each expert's matrices: (canonical pattern, TP split dim).
 _EXPERT_SPLIT_DIMS = (
     (re.compile(r"^mlp\.experts\.local_experts\.\d+\.linear_fc1\.(weight|bias)$"), 0),
@@ -65,12 +73,15 @@ def tp_split_dim(name: str) -> int | None:
         return 0
     if match[2] in ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight"):
         return 1
+    if lora := _LORA_WEIGHT.match(match[2]):
+        return 1 if lora[2] == "linear_in" and lora[1] in _LORA_ROW_PARALLEL else 0
     return next((dim for pattern, dim in _EXPERT_SPLIT_DIMS if pattern.match(match[2])), None)
 
 
 def holds_gate_and_up(name: str) -> bool:
-    """Whether canonical tensor `name` is an fc1 (dense or expert) whose rows are `[gate; up]` when gated."""
-    return name.rsplit(".", 1)[0].endswith("linear_fc1")
+    """Whether canonical tensor `name` is an fc1 (dense or expert), or fc1's LoRA `linear_out`, whose rows are
+    `[gate; up]` when gated."""
+    return name.rsplit(".", 1)[0].endswith("linear_fc1") or name.endswith(_LORA_FC1_OUT)
 
 
 def expert_slot(name: str) -> tuple[str, int] | None:

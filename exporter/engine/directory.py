@@ -5,6 +5,7 @@ Layout (docs/engine_format.md)::
     model_dir/manifest.json           format version, model type, modality, dtype, limits, source, package version
     model_dir/visual_engine/          (or perception_engine/) config.json + model.safetensors [+ encoder.onnx]
     model_dir/llm_engine/             config.json, model.safetensors, tokenizer files, template.json
+    model_dir/llm_engine/lora/<uid>/  LoRA adapters served per request (adapter.safetensors, adapter.json)
 """
 
 from __future__ import annotations
@@ -21,10 +22,21 @@ from safetensors.torch import load_file, save_file
 
 from ..checkpoint import NemoCheckpoint
 from ..llm.config import DecoderConfig
+from ..llm.lora_layers import LoraBank, check_lora_adapter
 from ..llm.model import Decoder, select_llm_weights
 from ..llm.quant.convert import ExportQuantization
 from ..llm.tokenizer import Tokenizer, load_saved_tokenizer
-from ..lora import merge_lora
+from ..lora import (
+    LORA_DIR,
+    LoraAdapter,
+    LoraPlan,
+    load_adapters,
+    merge_adapter,
+    merge_extra,
+    merge_lora,
+    plan_lora,
+    save_adapters,
+)
 from ..media_safety import MediaPolicy
 from ..models import Perception, get_model_type
 from ..models.templates import ChatTemplate
@@ -69,11 +81,14 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
                   export_onnx: bool = False, rename_keys: tuple[str, ...] = (),
                   audio_frontend: str | None = None, video_frame_sampling: str | None = None,
                   quantization: str | None = None, calib_data: str | Path | None = None,
-                  device: str = "cpu") -> dict[str, Any]:
+                  device: str = "cpu", lora: LoraPlan | None = None,
+                  merged_lora: LoraAdapter | None = None) -> dict[str, Any]:
     """Write a new engine into the empty folder `model_dir`; return its manifest.
 
     ``quantization`` (``int8_wo``, ``int4_wo``, ``int4_awq``, ``fp8``) stores the LLM layers' weights quantized,
-    computed on ``device``; ``calib_data``: int4_awq's calibration prompts (a text file, one per line)."""
+    computed on ``device``; ``calib_data``: int4_awq's calibration prompts (a text file, one per line). ``lora``:
+    the LoRA adapters served per request (stored in the engine); ``merged_lora``: one adapter merged into the
+    weights instead (its checkpoint's other fine-tuned tensors, a projector say, replace the base's)."""
     kind = get_model_type(model_type)
     quantizer = None if quantization is None and calib_data is None else \
         ExportQuantization.from_options(quantization, calib_data, device)
@@ -84,6 +99,8 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
     checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
     config = checkpoint.config
     weights = checkpoint.state_dict()
+    if merged_lora is not None:
+        merge_extra(weights, merged_lora)
 
     encoder = kind.build_perception(config, weights, dtype=torch.float32 if target == torch.float32 else target,
                                     vision_tower_path=vision_tower_path, audio_frontend=audio_frontend)
@@ -104,9 +121,18 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
     if not llm_weights:
         raise EngineError(f"{llm_checkpoint.path} holds no LLM weights; give the LLM checkpoint as "
                           "llm_checkpoint_path (-lc/--llm_checkpoint)")
+    if merged_lora is not None:
+        merge_adapter(llm_weights, merged_lora)
+    if lora is not None:  # before the LLM is written: a bad adapter fails fast
+        vocab_size = int(llm_weights["embedding.word_embeddings.weight"].shape[0])
+        shapes = DecoderConfig.from_nemo(llm_checkpoint.config, vocab_size=vocab_size)
+        for adapter in lora.adapters:
+            check_lora_adapter(shapes, lora.modules, lora.max_rank, adapter.uid, adapter.rank, adapter.weights)
     tokenizer = llm_checkpoint.tokenizer(tokenizer_path=tokenizer_path)
     llm_config = _write_llm(model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target,
                             None if quantizer is None else lambda config, w: quantizer.apply(config, w, tokenizer))
+    if lora is not None:
+        save_adapters(model_dir / LLM_DIR / LORA_DIR, lora.adapters, target)
     tokenizer_description = tokenizer.save(model_dir / LLM_DIR)
     (model_dir / LLM_DIR / "tokenizer_description.json").write_text(json.dumps(tokenizer_description, indent=2))
     (model_dir / LLM_DIR / "template.json").write_text(json.dumps(kind.chat_template(config).to_dict(), indent=2))
@@ -118,6 +144,8 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
         "llm_model_type": llm_model_type,
         "dtype": dtype,
         "quantization": llm_config.to_dict()["quantization"],
+        "lora": None if lora is None else lora.to_manifest(),
+        "lora_merged": None if merged_lora is None else {"uid": merged_lora.uid, **merged_lora.describe()},
         "limits": limits.to_dict(),
         "features_per_item": perception_facts["features_per_item"],
         "source": _describe_source(visual_checkpoint_path, llm_checkpoint_path),
@@ -195,11 +223,13 @@ def read_manifest(model_dir: str | Path) -> dict[str, Any]:
 
 
 def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = None,
-                media: MediaPolicy | None = None, verify: bool | None = None) -> Engine:
+                media: MediaPolicy | None = None, verify: bool | None = None, lora: LoraOptions | None = None
+                ) -> Engine:
     """Load an exported engine directory (no checkpoint, no network) onto ``device``; ``media`` caps decoding.
 
     File sizes are always checked; sha256 hashes when ``verify`` (None: when the files were not verified in their
-    current state before, see `exporter.engine.integrity`). A bad file is an EngineError naming it.
+    current state before, see `exporter.engine.integrity`). A bad file is an EngineError naming it. The engine's
+    LoRA adapters, and those of ``lora``, are served from a ``LoraBank`` on the decoder.
     """
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
@@ -210,9 +240,41 @@ def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = 
     decoder_config = DecoderConfig.from_dict(json.loads((llm_dir / "config.json").read_text()))
     decoder = Decoder.from_state_dict(decoder_config, load_file(str(llm_dir / "model.safetensors")),
                                       dtype=target, device=device)
+    _serve_lora(decoder, manifest.get("lora"), llm_dir / LORA_DIR, lora or LoraOptions())
     tokenizer = load_saved_tokenizer(llm_dir, json.loads((llm_dir / "tokenizer_description.json").read_text()))
     template = ChatTemplate.from_dict(json.loads((llm_dir / "template.json").read_text()))
     limits = EngineLimits(**manifest["limits"])
     perception = kind.load_perception(model_dir / kind.perception_dir, device=device, dtype=target,
                                       media=media, encoder_batch=limits.vision_max_batch_size)
     return Engine(manifest, limits, decoder, tokenizer, template, perception)
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    """LoRA asked for at load, next to the engine's own: more adapters, and settings that override the engine's
+    (``target_modules``, ``max_rank``, ``max_loras``: the slots, for adapters added while serving)."""
+
+    adapters: tuple[LoraAdapter, ...] = ()
+    target_modules: tuple[str, ...] | None = None
+    max_rank: int | None = None
+    max_loras: int | None = None
+
+    @property
+    def asked(self) -> bool:
+        return bool(self.adapters) or any(v is not None for v in (self.target_modules, self.max_rank, self.max_loras))
+
+
+def _serve_lora(decoder: Decoder, stored: dict[str, Any] | None, folder: Path, options: LoraOptions) -> None:
+    """Give ``decoder`` a LoRA bank with the engine's adapters (manifest entry ``stored``) and ``options``'."""
+    if stored is None and not options.asked:
+        return
+    stored = stored or {}
+    adapters = [*load_adapters(folder, list(stored.get("adapters", {}))), *options.adapters]
+    ranks = [adapter.rank for adapter in adapters]
+    modules = options.target_modules or stored.get("target_modules")
+    max_rank = options.max_rank or stored.get("max_lora_rank") or max(ranks, default=64)
+    wanted = options.max_loras or stored.get("max_loras") or 0
+    plan = plan_lora(adapters, modules, max_rank, max(wanted, len(adapters), 1))
+    bank = LoraBank(decoder, plan.modules, plan.max_rank, plan.max_loras)
+    for adapter in adapters:
+        bank.add(adapter.uid, adapter.rank, adapter.scale, adapter.weights)

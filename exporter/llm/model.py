@@ -11,7 +11,7 @@ import functools
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,9 @@ from .config import DecoderConfig
 from .gemv import linear
 from .moe import expert_mlp, route
 from .quant.linear import QuantLinear
+
+if TYPE_CHECKING:
+    from .lora_layers import LoraBank, LoraSlots
 
 # GELU ("gelu", "geglu") is applied with the config's approximation; "openai-gelu" is always the tanh form.
 _ACTIVATION_FUNCTIONS = {
@@ -206,7 +209,9 @@ def _act(x: Tensor, activation: str, gelu_approximation: str) -> Tensor:
 class Linear(nn.Module):
     """`y = x W^T (+ b)` with Megatron's parameter names (`weight [out, in]`, optional `bias`), run by
     `gemv.linear` (a one-row product on CUDA may use the Triton matrix-vector kernel). The one place a decoder
-    layer's matrix products go through."""
+    layer's matrix products go through (through `_project`, which adds their LoRA updates)."""
+
+    lora: LoraSlots | None = None  # this projection's LoRA adapters (`LoraBank` sets it)
 
     def __init__(self, in_features: int, out_features: int, bias: bool):
         super().__init__()
@@ -215,6 +220,15 @@ class Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
+
+
+def _project(module: Linear | QuantLinear, x: Tensor, adapters: Tensor | None) -> Tensor:
+    """A layer's linear module on `x [B, T, in]`, plus each row's LoRA update when the module has adapters and
+    the call names each row's slot (`adapters [B]`, 0: none). A quantized module's adapters run in the model
+    dtype."""
+    y = module(x)
+    lora = getattr(module, "lora", None)
+    return y if lora is None or adapters is None else lora(y, x, adapters)
 
 
 def _layer_linear(config: DecoderConfig, in_features: int, out_features: int) -> Linear | QuantLinear:
@@ -296,11 +310,11 @@ class SelfAttention(nn.Module):
         self.linear_qkv = _layer_linear(config, config.hidden_size, qkv_rows)
         self.linear_proj = _layer_linear(config, self.heads * self.head_dim, config.hidden_size)
 
-    def forward(self, x: Tensor, attention: _Attention) -> Tensor:
+    def forward(self, x: Tensor, attention: _Attention, adapters: Tensor | None = None) -> Tensor:
         batch, length, _ = x.shape
         cache = attention.cache
         layer = None if cache is None else cache.data[self.layer_number]  # [2,all rows,S,groups,d]
-        qkv = self.linear_qkv(x)
+        qkv = _project(self.linear_qkv, x, adapters)
         q, kv = _split_heads(qkv.view(batch * length, -1), attention.cos, attention.sin, layer,
                              attention.cache_rows, attention.cache_positions, self.groups, self.heads // self.groups,
                              self.rotary_dim)
@@ -312,7 +326,7 @@ class SelfAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, kv[0], kv[1], attn_mask=attention.mask, is_causal=attention.fresh,
                                              enable_gqa=self.groups != self.heads)
         out = out.transpose(1, 2).reshape(batch, length, self.heads * self.head_dim)
-        return self.linear_proj(out)
+        return _project(self.linear_proj, out, adapters)
 
 
 class MLP(nn.Module):
@@ -323,10 +337,10 @@ class MLP(nn.Module):
         self.linear_fc1 = _layer_linear(config, config.hidden_size, fc1_rows)
         self.linear_fc2 = _layer_linear(config, config.ffn_hidden_size, config.hidden_size)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.linear_fc1(x)
+    def forward(self, x: Tensor, adapters: Tensor | None = None) -> Tensor:
+        h = _project(self.linear_fc1, x, adapters)
         h = _activate(h.view(-1, h.shape[-1]), *self.activation)
-        return self.linear_fc2(h.view(*x.shape[:-1], -1))
+        return _project(self.linear_fc2, h.view(*x.shape[:-1], -1), adapters)
 
 
 class Router(nn.Module):
@@ -370,7 +384,8 @@ class MoELayer(nn.Module):
         self.experts = Experts(config)
         self.activation = (config.activation, config.gated, config.gelu_approximation)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, adapters: Tensor | None = None) -> Tensor:
+        """`adapters` is accepted for the layer's sake: LoRA does not adapt experts (`LoraBank` refuses)."""
         flat = x.reshape(-1, x.shape[-1])
         weights, chosen = self.router(flat)
         out = expert_mlp(flat, self.experts.linear_fc1.weight, self.experts.linear_fc2.weight, weights, chosen,
@@ -390,15 +405,16 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = None if config.shared_input_norm else Norm(config)
         self.mlp = MoELayer(config) if config.num_moe_experts else MLP(config)
 
-    def forward(self, x: Tensor, delta: Tensor | None, attention: _Attention) -> tuple[Tensor, Tensor]:
+    def forward(self, x: Tensor, delta: Tensor | None, attention: _Attention,
+                adapters: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Add the previous layer's output `delta` to the residual stream `x`; return the stream and this layer's
-        output (each residual add is fused into the norm that follows it)."""
+        output (each residual add is fused into the norm that follows it). `adapters`: each row's LoRA slot."""
         x, h = self.input_layernorm(x, delta)
         if not self.parallel:
-            x, h = self.pre_mlp_layernorm(x, self.self_attention(h, attention))
-            return x, self.mlp(h)
+            x, h = self.pre_mlp_layernorm(x, self.self_attention(h, attention, adapters))
+            return x, self.mlp(h, adapters)
         mlp_input = h if self.pre_mlp_layernorm is None else self.pre_mlp_layernorm(x)[1]
-        return x, self.self_attention(h, attention) + self.mlp(mlp_input)
+        return x, self.self_attention(h, attention, adapters) + self.mlp(mlp_input, adapters)
 
 
 class Embedding(nn.Module):
@@ -420,7 +436,10 @@ class Decoder(nn.Module):
     """Pre-norm GPT decoder driven by `DecoderConfig`; parameter names are NeMo's canonical names.
 
     `forward` takes input embeddings so callers can splice multimodal features in place of token embeddings.
+    `lora` is the bank of LoRA adapters it serves, if any (`exporter.llm.lora_layers.LoraBank` sets it).
     """
+
+    lora: LoraBank | None = None
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -484,6 +503,7 @@ class Decoder(nn.Module):
         kv_cache: KVCache | None = None,
         kv_len: int | None = None,
         output_index: Tensor | None = None,
+        adapters: Tensor | None = None,
     ) -> Tensor:
         """Logits for `inputs_embeds [B,T,H]`.
 
@@ -496,6 +516,7 @@ class Decoder(nn.Module):
         kv_cache: from `new_kv_cache`; its batch must equal B.
         kv_len: attend to cache slots `[0, kv_len)` only (must exceed every position); default: all.
         output_index: `[B]` index along T per row; if given, only those positions' logits come back `[B,1,V]`.
+        adapters: `[B]` each row's LoRA slot in `self.lora` (0: no adapter); None: no LoRA.
         Returns logits `[B,T,V]` in the model dtype.
         """
         batch, length, _ = inputs_embeds.shape
@@ -509,7 +530,7 @@ class Decoder(nn.Module):
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype).item()
         delta = None
         for layer in self.decoder.layers:
-            x, delta = layer(x, delta, attention)
+            x, delta = layer(x, delta, attention, adapters)
         _, x = self.decoder.final_layernorm(x, delta)
         if output_index is not None:
             x = x.gather(1, output_index.view(batch, 1, 1).expand(batch, 1, x.shape[-1]))

@@ -143,9 +143,11 @@ class DecodeStep:
     Each row's input token and position are the ``TokenChooser``'s state: a step reads them and leaves there the
     row's next token and position (``TokenChooser.choose``), so steps can be queued back to back before the host has
     read any of them. ``launch`` with tokens and positions sets them from the host instead (rows ``[0, n)`` active).
-    Beam rows given to ``launch`` first copy their parent rows' cache. Rows are masked past their own position. On
-    CUDA a step is a graph captured per (row bucket, attended span: the shortest ``kv_bucket_sizes`` span holding
-    ``furthest``, full or argmax-only choice); elsewhere it runs eagerly.
+    Beam rows given to ``launch`` first copy their parent rows' cache. Rows are masked past their own position. With
+    a LoRA bank on the model, each row decodes with its adapter slot (``set_adapters``, a static device tensor), and
+    a step without adapter rows skips the LoRA products. On CUDA a step is a graph captured per (row bucket,
+    attended span: the shortest ``kv_bucket_sizes`` span holding ``furthest``, full or argmax-only choice, LoRA or
+    not); elsewhere it runs eagerly.
     """
 
     def __init__(self, model: Decoder, cache: KVCache, use_cuda_graphs: bool | None = None,
@@ -158,60 +160,69 @@ class DecodeStep:
         self.chooser = chooser or TokenChooser(slots, model.config.vocab_size, device)
         self.buckets = bucket_sizes(slots)
         self.spans = kv_bucket_sizes(cache.max_seq_len)
-        self.graphs: dict[tuple[int, int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.graphs: dict[tuple[int, int, bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.adapters = None if model.lora is None else torch.zeros(slots, dtype=torch.long, device=device)
         if self.enabled:
             self.pool = torch.cuda.graph_pool_handle()
 
+    def set_adapters(self, first: int, slots: Sequence[int]) -> None:
+        """Rows ``[first, first + len(slots))`` decode with these LoRA slots (the model has a LoRA bank)."""
+        self.adapters[first:first + len(slots)].copy_(host_to_device(slots, torch.long, self.adapters.device))
+
     def launch(self, rows: int, furthest: int, tokens: Sequence[int] | None = None,
                positions: Sequence[int] | None = None, *, full: bool = False,
-               beam_rows: Tensor | None = None, beams_from: int = 0) -> LaunchedStep:
+               beam_rows: Tensor | None = None, beams_from: int = 0, lora: bool = True) -> LaunchedStep:
         """Queue a step for rows ``[0, rows)`` whose positions are all below ``furthest``.
 
         ``tokens`` and ``positions`` (one per row) replace the chooser's; ``full`` runs penalties, sampling and beam
         search (else an argmax); ``beam_rows`` (a device tensor) are the rows that first copy their parent's cache
-        from position ``beams_from`` on (where beams of one prompt start to differ).
+        from position ``beams_from`` on (where beams of one prompt start to differ); ``lora``: some row has a LoRA
+        adapter (else the step skips the LoRA products).
         """
         span = next(s for s in self.spans if s >= furthest)
         if tokens is not None:
             self.chooser.place(tokens, positions)
         if beam_rows is not None:
             self.cache.copy_rows_(beam_rows, self.chooser.ints[PARENT, beam_rows], beams_from, furthest)
+        lora = lora and self.adapters is not None
         if not self.enabled:
-            logits = self._compute(rows, span, full)
+            logits = self._compute(rows, span, full, lora)
         else:
             bucket = next(b for b in self.buckets if b >= rows)
-            if (bucket, span, full) not in self.graphs:
-                self._capture(bucket, span, full)
-            graph, logits = self.graphs[(bucket, span, full)]
+            if (bucket, span, full, lora) not in self.graphs:
+                self._capture(bucket, span, full, lora)
+            graph, logits = self.graphs[(bucket, span, full, lora)]
             graph.replay()
             logits = logits[:rows]
         return LaunchedStep.read_back(self.chooser, 0, logits, full and beam_rows is not None)
 
     def capture_all(self) -> None:
-        """Capture every (row bucket, span, choice) graph now, so no request waits for one later (before any
+        """Capture every (row bucket, span, choice, LoRA) graph now, so no request waits for one later (before any
         request: the captures run steps on the rows)."""
         for bucket in self.buckets if self.enabled else ():
             for span in self.spans:
                 for full in (False, True):
-                    if (bucket, span, full) not in self.graphs:
-                        self._capture(bucket, span, full)
+                    for lora in (False, True) if self.adapters is not None else (False,):
+                        if (bucket, span, full, lora) not in self.graphs:
+                            self._capture(bucket, span, full, lora)
 
     @property
     def graph_count(self) -> int:
         return len(self.graphs)
 
-    def _capture(self, bucket: int, span: int, full: bool) -> None:
+    def _capture(self, bucket: int, span: int, full: bool, lora: bool) -> None:
         # Capturing runs the step from the current state (writing each row's cache at its own position, as the
         # step will, and past it, where the next steps write): keep the state as it was.
         saved = self.chooser.snapshot()
-        self.graphs[(bucket, span, full)] = capture(lambda: self._compute(bucket, span, full), self.pool)
+        self.graphs[(bucket, span, full, lora)] = capture(lambda: self._compute(bucket, span, full, lora), self.pool)
         self.chooser.restore(saved)
 
-    def _compute(self, rows: int, span: int, full: bool) -> Tensor:
+    def _compute(self, rows: int, span: int, full: bool, lora: bool = False) -> Tensor:
         state = self.chooser.ints
         tokens, positions = state[TOKEN, :rows], state[POSITION, :rows, None]
         view = self.cache.rows(0, rows)
-        logits = self.model(self.model.embed(tokens)[:, None], positions, view, kv_len=span)[:, 0]
+        adapters = self.adapters[:rows] if lora else None
+        logits = self.model(self.model.embed(tokens)[:, None], positions, view, kv_len=span, adapters=adapters)[:, 0]
         self.chooser.choose(logits, 0, full)
         return logits
 
@@ -228,7 +239,8 @@ class PrefillStep:
 
     On CUDA, a lone prompt runs as a graph captured per padded length (``prefill_bucket``) into a one-row scratch
     cache whose filled positions are then copied into its row: no Python issues the prefill's kernels one by one.
-    Several prompts at once run eagerly, right-padded, as one batch, straight into their rows.
+    Several prompts at once run eagerly, right-padded, as one batch, straight into their rows. With a LoRA bank on
+    the model, each prompt runs with its adapter slot.
     """
 
     def __init__(self, model: Decoder, cache: KVCache, use_cuda_graphs: bool | None = None):
@@ -242,12 +254,15 @@ class PrefillStep:
             self.scratch = model.new_kv_cache(1, longest)
             self.embeds = torch.zeros(1, longest, model.config.hidden_size, dtype=model.dtype, device=device)
             self.last = torch.zeros(1, dtype=torch.long, device=device)
+            self.adapter = None if model.lora is None else torch.zeros(1, dtype=torch.long, device=device)
             self.pool = torch.cuda.graph_pool_handle()
 
-    def __call__(self, prompts: Sequence[Tensor], first_row: int) -> Tensor:
+    def __call__(self, prompts: Sequence[Tensor], first_row: int, adapters: Sequence[int] | None = None) -> Tensor:
+        """The prompts into rows ``first_row, ...``; ``adapters``: each prompt's LoRA slot (default none)."""
+        adapters = list(adapters) if adapters is not None else [0] * len(prompts)
         if self.enabled and len(prompts) == 1 and prefill_bucket(len(prompts[0])) <= self.cache.max_seq_len:
-            return self._graphed(prompts[0], first_row)
-        return self._batched(prompts, first_row)
+            return self._graphed(prompts[0], first_row, adapters[0])
+        return self._batched(prompts, first_row, adapters)
 
     def capture_all(self) -> None:
         """Capture the graph of every padded length now."""
@@ -257,11 +272,13 @@ class PrefillStep:
                 self._capture(length)
             length = prefill_bucket(length + 1)
 
-    def _graphed(self, prompt: Tensor, row: int) -> Tensor:
+    def _graphed(self, prompt: Tensor, row: int, adapter: int) -> Tensor:
         length = len(prompt)
         bucket = prefill_bucket(length)
         self.embeds[0, :length].copy_(prompt, non_blocking=True)
         self.last.fill_(length - 1)
+        if self.adapter is not None:
+            self.adapter.fill_(adapter)
         if bucket not in self.graphs:
             self._capture(bucket)
         graph, logits = self.graphs[bucket]
@@ -272,10 +289,10 @@ class PrefillStep:
 
     def _capture(self, bucket: int) -> None:
         embeds = self.embeds[:, :bucket]
-        self.graphs[bucket] = capture(lambda: self.model(embeds, kv_cache=self.scratch, output_index=self.last),
-                                      self.pool)
+        self.graphs[bucket] = capture(lambda: self.model(embeds, kv_cache=self.scratch, output_index=self.last,
+                                                         adapters=self.adapter), self.pool)
 
-    def _batched(self, prompts: Sequence[Tensor], first_row: int) -> Tensor:
+    def _batched(self, prompts: Sequence[Tensor], first_row: int, adapters: Sequence[int]) -> Tensor:
         model = self.model
         lengths = [len(prompt) for prompt in prompts]
         padded = torch.zeros(len(prompts), max(lengths), model.config.hidden_size, dtype=model.dtype,
@@ -284,4 +301,5 @@ class PrefillStep:
             padded[row, : lengths[row]] = prompt.to(padded)
         rows = self.cache.rows(first_row, first_row + len(prompts))
         last = host_to_device(lengths, torch.long, model.device) - 1
-        return model(padded, kv_cache=rows, output_index=last)[:, 0].float()
+        slots = host_to_device(adapters, torch.long, model.device) if any(adapters) else None
+        return model(padded, kv_cache=rows, output_index=last, adapters=slots)[:, 0].float()

@@ -25,13 +25,14 @@ from .scheduler import Handle, Scheduler
 @dataclass
 class Request:
     """One prompt: ``media`` is one item or a list (path, PIL image, uint8 array or encoded bytes); ``system``
-    replaces the chat template's system prompt."""
+    replaces the chat template's system prompt; ``lora_uid`` names the LoRA adapter it is answered with."""
 
     text: str
     media: Any = None
     params: SamplingParams = field(default_factory=SamplingParams)
     apply_chat_template: bool = True
     system: str | None = None
+    lora_uid: str | None = None
 
 
 @dataclass
@@ -50,6 +51,7 @@ class _Prepared:
     embeds: torch.Tensor
     layout: PromptLayout
     params: SamplingParams
+    lora_uid: str | None
 
 
 class Pipeline:
@@ -147,13 +149,14 @@ class Pipeline:
                 self.engine.limits.check_request(layout.length, media_len, request.params.max_output_len)
                 params = replace(request.params,
                                  stop_token_ids=tuple({*request.params.stop_token_ids, *self.stop_token_ids}))
-                results[i] = _Prepared(self._embed(layout), layout, params)
+                results[i] = _Prepared(self._embed(layout), layout, params, request.lora_uid)
             except Exception as error:  # noqa: BLE001 - reported per request
                 results[i] = error
         return results  # type: ignore[return-value]
 
     def _submit(self, prepared: _Prepared, on_token=None) -> Handle:
-        handle = self.scheduler.submit(prepared.embeds, prepared.layout.token_ids(), prepared.params, on_token)
+        handle = self.scheduler.submit(prepared.embeds, prepared.layout.token_ids(), prepared.params, on_token,
+                                       prepared.lora_uid)
         for observe in self.submitted:
             observe(handle)
         return handle

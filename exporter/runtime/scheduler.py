@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import secrets
 import threading
 import time
@@ -55,6 +56,8 @@ class Handle:
     beams: list[list[int]] = field(default_factory=list)  # a beam search's hypotheses, best first
     error: BaseException | None = None
     cancelled: bool = False
+    adapter: int = 0  # the LoRA slot its rows decode with (0: none)
+    release_adapter: Callable[[], None] | None = None  # gives the LoRA slot back when the request ends
     submitted_at: float = field(default_factory=time.monotonic)  # time.monotonic() of each milestone
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -88,6 +91,9 @@ class Handle:
         return self.beams if self.params.num_beams > 1 else [tokens]
 
     def _finish(self, error: BaseException | None = None) -> None:
+        if self.release_adapter is not None:
+            self.release_adapter()
+            self.release_adapter = None
         self.error = self.error or error
         self.finished_at = time.monotonic()
         self._finished.set()
@@ -179,10 +185,11 @@ class Scheduler:
     # --- submission -------------------------------------------------------------------------------------------
 
     def submit(self, prompt: Tensor, prompt_ids: list[int], params: SamplingParams,
-               on_token: TokenCallback | None = None) -> Handle:
+               on_token: TokenCallback | None = None, lora_uid: str | None = None) -> Handle:
         """Queue one request: ``prompt [T, H]`` embeddings and the ids behind them (-1 at media features).
 
-        ``on_token(id)`` is called with each kept token in order (never EOS; one sequence only).
+        ``on_token(id)`` is called with each kept token in order (never EOS; one sequence only). ``lora_uid``: the
+        LoRA adapter of the model's bank it decodes with (an unknown one is a ValueError).
         """
         check_requests(self.model, [prompt], [prompt_ids], [params], self.tokenizer)
         if params.num_beams > self.max_beam_width:
@@ -195,6 +202,12 @@ class Scheduler:
             raise ValueError(f"prompt ({len(prompt)}) + max_output_len ({params.max_output_len}) exceeds the "
                              f"scheduler's max_seq_len={self.max_seq_len}; shorten them or raise max_seq_len")
         handle = Handle(prompt, list(prompt_ids), params, on_token)
+        if lora_uid is not None:
+            bank = self.model.lora
+            if bank is None:
+                raise ValueError(f"LoRA adapter {lora_uid!r} asked for, but this model serves no LoRA adapters")
+            handle.adapter = bank.acquire(lora_uid)
+            handle.release_adapter = functools.partial(bank.release, handle.adapter)
         with self._wake:
             self.waiting.append(handle)
             self._wake.notify()
@@ -280,7 +293,8 @@ class Scheduler:
         step = self.decode.launch(last.first_row + last.width, max(r.position for r in running) + 1,
                                   full=not all(r.plain for r in running),
                                   beam_rows=self._beam_rows_tensor(beam_rows) if beam_rows else None,
-                                  beams_from=min((len(r.handle.prompt) for r in searches), default=0))
+                                  beams_from=min((len(r.handle.prompt) for r in searches), default=0),
+                                  lora=any(r.handle.adapter for r in running))
         self.decode_steps += 1
         self.steps_queued_ahead += any(launched.decode for launched in self._inflight)
         for request in running:
@@ -370,6 +384,8 @@ class Scheduler:
             seen += [self._prompt_ids(request)] * width
             ends += [sorted(request.search.end_ids) if width > 1 else []] + [[]] * (width - 1)
         self.chooser.set_rows(first, setups)
+        if self.model.lora is not None:
+            self.decode.set_adapters(first, [request.handle.adapter for request in placed for _ in request.rows])
         self.chooser.set_ids(self.chooser.seen, first, seen)
         if any(ends):
             self.chooser.set_ids(self.chooser.ends, first, ends)
@@ -390,7 +406,8 @@ class Scheduler:
         """Prefill each prompt once, into its first row, and copy it to a beam search's other rows; returns the
         logits after each prompt ``[n, V]``."""
         first = placed[0].first_row
-        logits = self.prefill([request.handle.prompt for request in placed], first)
+        logits = self.prefill([request.handle.prompt for request in placed], first,
+                              [request.handle.adapter for request in placed])
         longest = max(len(request.handle.prompt) for request in placed)
         # prefilled side by side, then each moved to its first row (a beam search's other rows lie in between)
         self._copy_rows([(request.first_row, first + i) for i, request in enumerate(placed)], longest)
@@ -448,7 +465,7 @@ class Scheduler:
         prompt = request.handle.prompt
         device = self.model.device
         self.prefill([torch.cat([prompt, self.model.embed(host_to_device(beam[:-1], torch.long, device))])
-                      for beam in sequences], request.first_row)
+                      for beam in sequences], request.first_row, [request.handle.adapter] * len(sequences))
         position = len(prompt) + len(sequences[0]) - 1
         self.chooser.set_rows(request.first_row, self._row_setups(request, position, search.scores,
                                                                   [beam[-1] for beam in sequences]))

@@ -1,0 +1,111 @@
+"""Decode ms/step with LoRA adapters served per row, against the base model alone, measured in one run.
+
+A LLaVA-1.5-7B-shaped decoder (random bf16 weights, `mixed_decode.decoder`) on CUDA; 4 adapters of rank 16 on all
+four targets (QKV, attention output, fc1, fc2; max_lora_rank 16); prompts of 608 positions, 64 new tokens, greedy,
+through the in-flight scheduler with CUDA graphs (`mixed_decode.measure`). Cases: the base model alone (no LoRA
+bank); the bank with no adapter rows; 32 rows spread over the 4 adapters (8 each) with the products chosen per shape
+(`fastest`), and with each of them fixed (gathered batched products, Triton kernels); batch 1 alone and with an
+adapter. Target (issue 22): 32 rows over 4 adapters at most 1.25x the base model's step. Prints a table and writes
+``$OUT/lora_bench.json``; about 3 minutes on an H100.
+
+    python bench/lora_bench.py            # CUDA, the real shape
+    python bench/lora_bench.py --tiny     # a tiny shape on the CPU: checks that the script runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import replace
+
+import torch
+from mixed_decode import CONTEXT, FULL, GREEDY, TINY, decoder, measure
+
+from exporter.llm import gemv, lora_layers
+from exporter.llm.lora_layers import LORA_MODULES, LoraBank, lora_shape
+from exporter.llm.model import Decoder
+
+ADAPTERS, RANK, ROWS, NEW_TOKENS = 4, 16, 32, 64
+TARGET = 1.25
+
+
+def attach_adapters(model: Decoder, count: int, rank: int) -> list[str]:
+    """A LoRA bank on ``model`` with ``count`` random adapters of ``rank`` on every module; their uids."""
+    bank = LoraBank(model, tuple(LORA_MODULES), rank, count)
+    generator = torch.Generator(model.device).manual_seed(1)
+    for index in range(count):
+        weights = {}
+        for layer in range(model.config.num_layers):
+            for module in LORA_MODULES:
+                out_features, in_features = lora_shape(model.config, module)
+                weights[layer, module] = (
+                    torch.randn(rank, in_features, generator=generator, device=model.device) * 0.02,
+                    torch.randn(out_features, rank, generator=generator, device=model.device) * 0.02)
+        bank.add(f"task{index}", rank, 2.0, weights)
+    return bank.uids
+
+
+def run(tiny: bool) -> dict:
+    device = torch.device("cpu" if tiny else "cuda")
+    model = decoder(TINY if tiny else FULL, device, torch.float32 if tiny else torch.bfloat16)
+    context, steps = (24, 8) if tiny else (CONTEXT, NEW_TOKENS)
+    result: dict = {"device": torch.cuda.get_device_name() if not tiny else "cpu (tiny: timings mean nothing)",
+                    "adapters": ADAPTERS, "rank": RANK, "modules": list(LORA_MODULES), "context": context,
+                    "new_tokens": steps}
+
+    def step_ms(rows: int, uids: list[str | None] | None = None) -> float:
+        requests = [replace(GREEDY, max_output_len=steps)] * rows
+        return measure(model, rows, requests, context, steps, uids)["ms_per_step"]
+
+    result["base_bs32"] = step_ms(ROWS)
+    result["base_bs1"] = step_ms(1)
+    uids = attach_adapters(model, ADAPTERS, RANK)
+    spread = [uids[row % ADAPTERS] for row in range(ROWS)]
+    result["no_adapter_rows_bs32"] = step_ms(ROWS)
+    result["lora_bs32"] = step_ms(ROWS, spread)
+    result["lora_bs1"] = step_ms(1, uids[:1])
+    result["choices"] = {key: name for key, name in gemv.choices().items() if key.startswith("lora")}
+    for kernel in ("bmm", "triton") if device.type == "cuda" else ():
+        lora_layers.CUDA_KERNEL = kernel
+        try:
+            result[f"lora_bs32_{kernel}"] = step_ms(ROWS, spread)
+        finally:
+            lora_layers.CUDA_KERNEL = None
+    return result
+
+
+def report(result: dict) -> str:
+    rows = [("base model alone", 32, "base_bs32", "base_bs32"),
+            ("LoRA bank, no adapter rows", 32, "no_adapter_rows_bs32", "base_bs32"),
+            (f"{ADAPTERS} adapters x {ROWS // ADAPTERS} rows (fastest)", 32, "lora_bs32", "base_bs32"),
+            (f"{ADAPTERS} adapters, batched products", 32, "lora_bs32_bmm", "base_bs32"),
+            (f"{ADAPTERS} adapters, Triton kernels", 32, "lora_bs32_triton", "base_bs32"),
+            ("base model alone", 1, "base_bs1", "base_bs1"),
+            ("one adapter", 1, "lora_bs1", "base_bs1")]
+    lines = [f"device {result['device']}; {result['adapters']} adapters of rank {result['rank']} on "
+             f"{', '.join(result['modules'])}; {result['new_tokens']} new tokens after {result['context']} positions",
+             f"{'case':44} {'rows':>4} {'ms/step':>8} {'vs base':>8}"]
+    for label, batch, key, base in rows:
+        if key in result:
+            lines.append(f"{label:44} {batch:>4} {result[key]:>8.2f} {result[key] / result[base]:>8.2f}")
+    ratio = result["lora_bs32"] / result["base_bs32"]
+    lines.append(f"target: {ADAPTERS} adapters over {ROWS} rows <= {TARGET}x the base step: {ratio:.2f}x "
+                 f"({'met' if ratio <= TARGET else 'NOT met'})")
+    lines.extend(f"choice {key}: {name}" for key, name in sorted(result["choices"].items()))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test, no timing value)")
+    args = parser.parse_args()
+    result = run(args.tiny or not torch.cuda.is_available())
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "lora_bench.json"), "w") as stream:
+        json.dump(result, stream, indent=1)
+    print(report(result))
+
+
+if __name__ == "__main__":
+    main()
