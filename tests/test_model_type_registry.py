@@ -10,12 +10,14 @@ import subprocess
 import sys
 import types
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 import torch
 
+import exporter.models
 import picture_model_type
 from deploy.openai import OpenAIServer, create_app
 from deploy.startup import free_port
@@ -71,9 +73,11 @@ def test_served_facts_come_from_the_triton_config():
 
 
 @pytest.fixture(scope="module")
-def picture_type() -> ModelType:
+def picture_type() -> Iterator[ModelType]:
+    """The throwaway type, registered for this module's tests only."""
     (kind,) = register_model_types(picture_model_type)
-    return kind
+    yield kind
+    del exporter.models._REGISTRY[kind.name]  # the registry offers no removal: nothing else needs one
 
 
 def _encoder_batches(perception, count: int) -> list[int]:
