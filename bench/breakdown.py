@@ -2,8 +2,10 @@
 
 For each: with the fused elementwise kernels and op by op (fusion off), and a kernel profile of the fused one
 grouped by kind; for the decode step also graphs of its matrix products alone (the practical floor of a step),
-by cuBLAS and by the kernel ``gemv.linear`` chose per shape, and one layer's attention under each SDPA backend; for
-the prefill also the host's time to queue it eagerly (close to the total: the host is the limit).
+by cuBLAS and by the kernel ``gemv.linear`` chose per shape, and one layer's attention by the paged decode kernel
+and, over a contiguous cache, under each SDPA backend; for the prefill also the host's time to queue it eagerly
+(close to the total: the host is the limit). Steps run as the scheduler runs them (``ForwardStep`` over a paged
+cache of 32-position blocks).
 """
 
 from __future__ import annotations
@@ -15,13 +17,16 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from exporter.llm import gemv
+from exporter.llm import gemv, paged_triton
 from exporter.llm import model as model_module
 from exporter.llm.model import Decoder
-from exporter.runtime.cuda_graphs import DecodeStep, PrefillStep, aligned_cache_len
+from exporter.llm.sampling import TokenChooser
+from exporter.runtime.cuda_graphs import ForwardStep, Piece, decode_splits
+
+BLOCK_SIZE = 32
 
 KERNEL_KINDS = (("matmul", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk")),
-                ("attention", ("fmha", "attention", "flash")),
+                ("attention", ("fmha", "attention", "flash", "_paged_")),
                 ("fused elementwise (triton)", ("triton",)))
 
 
@@ -74,7 +79,7 @@ def prefill_breakdown(decoder: Decoder, length: int) -> dict:
     """One fresh ``length``-token prompt's forward into a one-row cache (last logits only); eagerly, and as the
     scheduler runs a lone prompt (a captured graph, then the copy into its row)."""
     prompt = torch.randn(1, length, decoder.config.hidden_size, device=decoder.device, dtype=decoder.dtype) * 0.02
-    cache = decoder.new_kv_cache(1, aligned_cache_len(length))
+    cache = decoder.new_kv_cache(1, length)
     last = torch.tensor([length - 1], device=decoder.device)
 
     def prefill() -> None:
@@ -93,9 +98,19 @@ def prefill_breakdown(decoder: Decoder, length: int) -> dict:
         result[f"breakdown_prefill_ms_{name}"] = _with_fusion(fused, lambda: _per_call_ms(prefill, 10))
         result[f"breakdown_prefill_host_ms_{name}"] = _with_fusion(fused, host_ms)
     result.update(_kernel_profile("prefill", prefill))
-    graphed = PrefillStep(decoder, cache)
-    result["breakdown_prefill_ms_graphed"] = _per_call_ms(lambda: graphed([prompt[0]], 0), 10)
+    graphed, table = _paged_step(decoder, length, max_chunk=length)
+    result["breakdown_prefill_ms_graphed"] = _per_call_ms(lambda: graphed.launch(0, 0, [Piece(prompt[0], 0, table)]),
+                                                          10)
     return result
+
+
+def _paged_step(decoder: Decoder, positions: int, max_chunk: int = 32) -> tuple[ForwardStep, list[int]]:
+    """A one-row ``ForwardStep`` over a paged cache holding ``positions`` positions, and the row's block table."""
+    width = -(-positions // BLOCK_SIZE) + 1
+    cache = decoder.new_paged_kv_cache(width + 1, BLOCK_SIZE)
+    tables = torch.arange(1, width + 1, dtype=torch.int32, device=decoder.device)[None]
+    chooser = TokenChooser(1, decoder.config.vocab_size, decoder.device)
+    return ForwardStep(decoder, cache, tables, chooser, max_chunk=max_chunk), tables[0].tolist()
 
 
 def _matmuls_ms(decoder: Decoder, product: Callable[..., torch.Tensor]) -> float:
@@ -122,17 +137,26 @@ def _matmuls_ms(decoder: Decoder, product: Callable[..., torch.Tensor]) -> float
 
 
 def _attention_backends_us(decoder: Decoder, context: int) -> dict[str, float]:
-    """One layer's batch-1 decode attention over the cache layout (a span of 768 slots, masked past ``context``),
-    timed with each SDPA backend that accepts it."""
+    """One layer's batch-1 decode attention over ``context + 1`` positions: the paged decode kernel (split-K as the
+    step runs it, in ``BLOCK_SIZE`` blocks), and SDPA over a contiguous span of the next multiple of 64 masked past
+    the context (the layout before the paged cache) with each backend that accepts it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    c, span = decoder.config, aligned_cache_len(context + 1)
-    q = torch.randn(1, c.num_attention_heads, 1, c.head_dim, device=decoder.device, dtype=decoder.dtype)
-    layer = torch.randn(2, 1, span, c.num_query_groups, c.head_dim, device=decoder.device, dtype=decoder.dtype)
+    c, span = decoder.config, -(-(context + 1) // 64) * 64
+    device, dtype = decoder.device, decoder.dtype
+    blocks = -(-(context + 1) // BLOCK_SIZE)
+    pool = torch.randn(2, blocks + 1, BLOCK_SIZE, c.num_query_groups, c.head_dim, device=device, dtype=dtype)
+    tables = torch.arange(1, blocks + 1, dtype=torch.int32, device=device)[None]
+    position = torch.tensor([context], device=device)
+    query = torch.randn(1, c.num_attention_heads, c.head_dim, device=device, dtype=dtype)
+    splits = decode_splits(1, c.num_query_groups, device)
+    result = {f"paged_triton_splits{splits}": round(1e3 * _per_call_ms(
+        lambda: paged_triton.decode(query, pool[0], pool[1], tables, position, None, splits, None), 200), 1)}
+    q = torch.randn(1, c.num_attention_heads, 1, c.head_dim, device=device, dtype=dtype)
+    layer = torch.randn(2, 1, span, c.num_query_groups, c.head_dim, device=device, dtype=dtype)
     k, v = layer.transpose(2, 3)
-    mask = torch.zeros(1, 1, 1, span, device=decoder.device, dtype=decoder.dtype)
+    mask = torch.zeros(1, 1, 1, span, device=device, dtype=dtype)
     mask[..., context + 1:] = float("-inf")
-    result = {}
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
         try:
             with sdpa_kernel([backend]):
@@ -144,13 +168,13 @@ def _attention_backends_us(decoder: Decoder, context: int) -> dict[str, float]:
 
 
 def decode_breakdown(decoder: Decoder, context: int) -> dict:
-    """A batch-1 decode step at position ``context`` (replayed graph, host work of ``DecodeStep`` included)."""
+    """A batch-1 decode step at position ``context`` (replayed graph, host work of ``ForwardStep`` included)."""
     result = {}
     for fused, name in ((False, "unfused"), (True, "fused")):
         def measure() -> float:
-            step = DecodeStep(decoder, decoder.new_kv_cache(1, aligned_cache_len(context + 64)))
+            step, _ = _paged_step(decoder, context + 64)
             result["_step"] = step
-            return _per_call_ms(lambda: step.launch(1, context + 1, [5], [context]))
+            return _per_call_ms(lambda: step.launch(1, context + 1, tokens=[5], positions=[context]))
 
         result[f"breakdown_decode_bs1_ms_{name}"] = _with_fusion(fused, measure)
     step = result.pop("_step")
@@ -159,5 +183,6 @@ def decode_breakdown(decoder: Decoder, context: int) -> dict:
     result["breakdown_gemv_choices"] = gemv.choices()
     result["breakdown_decode_attention_us_by_backend"] = _attention_backends_us(decoder, context)
     result["breakdown_decode_bs1_ms_queued_ahead"] = _per_call_ms(lambda: step.launch(1, context + 2))
-    result.update(_kernel_profile("decode_bs1", lambda: step.launch(1, context + 1, [5], [context]), 10))
+    result.update(_kernel_profile("decode_bs1", lambda: step.launch(1, context + 1, tokens=[5], positions=[context]),
+                                  10))
     return result

@@ -92,12 +92,20 @@ def build_models(shape: dict, device: torch.device, dtype: torch.dtype):
                 "share_embeddings_and_output_weights": False}
     decoder = Decoder.from_state_dict(DecoderConfig.from_nemo(nemo_cfg, vocab_size=text.vocab_size), canonical)
     projector = hf.model.multi_modal_projector
+    encoder = vision_encoder(vision, text.hidden_size, hf.model.vision_tower, projector.linear_1, projector.linear_2,
+                             dtype).to(device)
+    return hf, decoder, encoder, image_token
+
+
+def vision_encoder(vision: CLIPVisionConfig, hidden_size: int, tower: torch.nn.Module, linear_1: torch.nn.Linear,
+                   linear_2: torch.nn.Linear, dtype: torch.dtype):
+    """Ours (``VisionEncoder``: the tower trimmed after LLaVA's feature layer, the mlp2x_gelu projector) from
+    transformers' CLIP tower and projector layers."""
     prefix = "embedding.word_embeddings."
-    vision_weights = {f"{prefix}vision_encoder.{k}": v for k, v in hf.model.vision_tower.state_dict().items()}
+    vision_weights = {f"{prefix}vision_encoder.{k}": v for k, v in tower.state_dict().items()}
     vision_weights.update({f"{prefix}adapter_layer.mm_projector_adapter.mm_projector.{i}.{p}": getattr(layer, p)
-                           for i, layer in ((0, projector.linear_1), (2, projector.linear_2))
-                           for p in ("weight", "bias")})
-    mm_cfg = {"hidden_size": text.hidden_size, "mm_cfg": {
+                           for i, layer in ((0, linear_1), (2, linear_2)) for p in ("weight", "bias")})
+    mm_cfg = {"hidden_size": hidden_size, "mm_cfg": {
         "mm_mlp_adapter_type": "mlp2x_gelu",
         "vision_encoder": {"model_type": "clip", "hidden_size": vision.hidden_size,
                            "num_layers": vision.num_hidden_layers, "num_attention_heads": vision.num_attention_heads,
@@ -105,8 +113,7 @@ def build_models(shape: dict, device: torch.device, dtype: torch.dtype):
                            "image_size": vision.image_size, "crop_size": [vision.image_size] * 2,
                            "hidden_act": vision.hidden_act, "layernorm_epsilon": vision.layer_norm_eps,
                            "vision_select_layer": -2, "vision_select_feature": "patch", "freeze": False}}}
-    encoder = build_vision_encoder(mm_cfg, vision_weights, dtype=dtype).to(device)
-    return hf, decoder, encoder, image_token
+    return build_vision_encoder(mm_cfg, vision_weights, dtype=dtype)
 
 
 def kv_bytes_per_token(decoder: Decoder) -> int:
@@ -182,7 +189,7 @@ def _measure_ttft(result, hf, decoder, graphed_encoder, image_token, size, devic
 def scheduler_decode(decoder: Decoder, prompt: torch.Tensor, steps: int,
                      use_cuda_graphs: bool | None = None) -> Callable[[], float]:
     """A run of the rows of `prompt` `[B, T, H]` as B requests of `steps` new tokens through one scheduler; each
-    call returns the steady ms per decode step (the admission step, with the prefill, left out)."""
+    call returns the steady ms per decode step (the steps until every prompt is prefilled left out)."""
     batch, context = prompt.shape[:2]
     scheduler = Scheduler(decoder, max_slots=batch, max_seq_len=context + steps + 1, eos_id=None,
                           use_cuda_graphs=use_cuda_graphs)
@@ -190,14 +197,16 @@ def scheduler_decode(decoder: Decoder, prompt: torch.Tensor, steps: int,
     def run() -> float:
         handles = [scheduler.submit(prompt[i], [-1] * context, SamplingParams(max_output_len=steps))
                    for i in range(batch)]
-        scheduler.step()  # admission: batched prefill, the first token and the first decode step
+        while scheduler.prefilling or scheduler.waiting:  # admission: the prompts in chunks, the first tokens
+            scheduler.step()
         synchronize(decoder.device)
+        launched = scheduler.decode_steps
         start = time.perf_counter()
         while scheduler.step():
             pass
         synchronize(decoder.device)
         assert all(len(h.result()) == steps for h in handles)
-        return (time.perf_counter() - start) * 1e3 / (steps - 1)  # steps 2..steps (the last one dropped)
+        return (time.perf_counter() - start) * 1e3 / (scheduler.decode_steps - launched)
 
     return run
 
@@ -272,16 +281,17 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def bench_main(doc: str, name: str, run_bench: Callable[[bool], dict], report_of: Callable[[dict], str]) -> None:
+    """A bench's command line: ``--tiny`` or not, then ``$OUT/<name>.json`` written and the report printed."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test, no timing value)")
     args = parser.parse_args()
-    result = run(args.tiny)
+    result = run_bench(args.tiny)
     out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "llava_bench.json"), "w") as stream:
+    with open(os.path.join(out, f"{name}.json"), "w") as stream:
         json.dump(result, stream, indent=1)
-    print(report(result))
+    print(report_of(result))
 
 
 if __name__ == "__main__":
-    main()
+    bench_main(__doc__, "llava_bench", run, report)

@@ -74,7 +74,8 @@ def measure(model: Decoder, rows: int, requests: list[SamplingParams], context: 
     def run() -> tuple[float, int]:
         requests_ = [scheduler.submit(prompts[i], [-1] * context, params, lora_uid=lora_uids[i] if lora_uids else None)
                      for i, params in enumerate(requests)]
-        scheduler.step()  # admission: prefill, first tokens, the first decode step
+        while scheduler.prefilling or scheduler.waiting:  # admission: the prompts in chunks, the first tokens
+            scheduler.step()
         launched = scheduler.decode_steps
         if device.type == "cuda":
             torch.cuda.synchronize()

@@ -322,19 +322,14 @@ def demo_engine(folder: Path, setting: Setting, device: str) -> Path:
 
 
 def llava_engine(folder: Path, setting: Setting, words: list[str]) -> Path:
-    """A Neva `.nemo` of LLaVA-1.5-7B's shape (CLIP-L/336, mlp2x_gelu, Llama-2-7B) with random bf16 weights and a
-    SentencePiece word tokenizer of 32,000 pieces, exported into `folder` (kept: later runs reuse it)."""
+    """A Neva `.nemo` of LLaVA-1.5-7B's shape (`write_llava_nemo`) exported into `folder` (kept: later runs reuse
+    it)."""
     import torch
 
     from exporter import TensorRTMMExporter
-    from tools.nemo_writer import write_nemo
 
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
-        tokenizer = Path(tmp) / "tokenizer.model"
-        _train_word_tokenizer(tokenizer, words)
-        nemo = Path(tmp) / "llava_shape.nemo"
-        write_nemo(nemo, _llava_config(), _llava_weights(), layout="legacy",
-                   artifacts={"tokenizer.model": str(tokenizer)})
+        nemo = write_llava_nemo(Path(tmp) / "llava_shape.nemo", words)
         TensorRTMMExporter(folder, device="cuda" if torch.cuda.is_available() else "cpu").export(
             nemo, model_type="neva", dtype="bfloat16", max_batch_size=setting.max_batch_size,
             max_input_len=setting.max_input_len, max_output_len=setting.max_output_len,
@@ -342,18 +337,33 @@ def llava_engine(folder: Path, setting: Setting, words: list[str]) -> Path:
     return folder
 
 
+def write_llava_nemo(path: Path, words: list[str], shape: dict = LLAVA_SHAPE) -> Path:
+    """A Neva `.nemo` at `path` of `shape` (default LLaVA-1.5-7B's: CLIP-L/336, mlp2x_gelu, Llama-2-7B) with random
+    bf16 weights and a SentencePiece word tokenizer whose pieces are `words`' distinct words."""
+    from tools.nemo_writer import write_nemo
+
+    tokenizer = path.with_name(path.name + ".tokenizer.model")
+    _train_word_tokenizer(tokenizer, words)
+    try:
+        write_nemo(path, _llava_config(shape), _llava_weights(shape), layout="legacy",
+                   artifacts={"tokenizer.model": str(tokenizer)})
+    finally:
+        tokenizer.unlink()
+    return path
+
+
 def _train_word_tokenizer(path: Path, words: list[str]) -> None:
     import sentencepiece as spm
 
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(sentence_iterator=iter(" ".join(words[i:i + 20]) for i in range(0, len(words), 20)),
-                                   model_writer=model, vocab_size=TOKENIZER_WORDS, model_type="word", unk_id=0,
+                                   model_writer=model, vocab_size=len(set(words)), model_type="word", unk_id=0,
                                    bos_id=1, eos_id=2, pad_id=-1, minloglevel=2, num_threads=8)
     path.write_bytes(model.getvalue())
 
 
-def _llava_config() -> dict:
-    llm, vision = LLAVA_SHAPE["llm"], LLAVA_SHAPE["vision"]
+def _llava_config(shape: dict) -> dict:
+    llm, vision = shape["llm"], shape["vision"]
     return {"precision": "bf16", "num_layers": llm["num_layers"], "hidden_size": llm["hidden_size"],
             "ffn_hidden_size": llm["ffn_hidden_size"], "num_attention_heads": llm["num_attention_heads"],
             "num_query_groups": llm["num_attention_heads"], "kv_channels": None, "normalization": "rmsnorm",
@@ -378,12 +388,12 @@ def _llava_config() -> dict:
                      "image_token_len": 576}}
 
 
-def _llava_weights() -> dict:
+def _llava_weights(shape: dict) -> dict:
     """Random canonical weights (docs/architecture.md) drawn on the GPU (if any), in bf16 on the host."""
     import torch
     from transformers import CLIPVisionConfig, CLIPVisionModel
 
-    llm, vision = LLAVA_SHAPE["llm"], LLAVA_SHAPE["vision"]
+    llm, vision = shape["llm"], shape["vision"]
     hidden, ffn = llm["hidden_size"], llm["ffn_hidden_size"]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     generator = torch.Generator(device).manual_seed(0)
@@ -413,12 +423,12 @@ def _llava_weights() -> dict:
     return weights
 
 
-def _words(seed: int) -> list[str]:
-    """TOKENIZER_WORDS distinct made-up words, each twice (the tokenizer's pieces, and the prompts' filler)."""
+def make_words(seed: int, count: int = TOKENIZER_WORDS) -> list[str]:
+    """`count` distinct made-up words, each twice (the tokenizer's pieces, and the prompts' filler)."""
     rng = random.Random(seed)
     letters = "abcdefghijklmnopqrstuvwxyz"
     words: set[str] = set()
-    while len(words) < TOKENIZER_WORDS:
+    while len(words) < count:
         words.add("".join(rng.choice(letters) for _ in range(rng.randint(3, 9))))
     ordered = sorted(words)
     return ordered + ordered
@@ -492,7 +502,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     setting = LLAVA if args.llava else DEMO
     device = args.device or ("cuda" if args.llava else "cpu")
-    words = _words(args.seed) if args.llava else ["tell", "me", "more", "about", "it", "please"]
+    words = make_words(args.seed) if args.llava else ["tell", "me", "more", "about", "it", "please"]
     with tempfile.TemporaryDirectory() as tmp:
         engine_dir = args.engine_dir or Path(tmp) / "engine"
         if not (engine_dir / "manifest.json").is_file():

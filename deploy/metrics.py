@@ -119,6 +119,9 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("nemo_mm_max_rows", "Rows the scheduler can decode at once", value=stats.max_rows)
         yield GaugeMetricFamily("nemo_mm_kv_cache_used_fraction", "Share of the KV cache in use",
                                 value=stats.kv_used_fraction)
+        yield GaugeMetricFamily("nemo_mm_kv_cache_blocks", "Blocks of the paged KV cache", value=stats.kv_blocks_total)
+        yield GaugeMetricFamily("nemo_mm_kv_cache_blocks_cached", "KV-cache blocks kept only for prefix reuse",
+                                value=stats.kv_blocks_cached)
         cache = self._pipeline.feature_cache.stats()
         yield CounterMetricFamily("nemo_mm_encoder_cache_hits", "Media whose encoder output was reused",
                                   value=cache["hits"])

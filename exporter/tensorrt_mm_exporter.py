@@ -29,12 +29,15 @@ from wire import (
 )
 
 from .engine import Engine, EngineLimits, LoraOptions, export_engine, load_engine, read_manifest
+from .engine.kernel_cache import KernelCache
+from .engine.progress import phase
 from .llm.generate import SamplingParams
 from .llm.lora_layers import LoraBank
 from .lora import LoraError, plan_lora, read_adapter, read_adapters
 from .media_safety import MediaPolicy
 from .models import get_model_type
 from .runtime import Completion, Pipeline, Request
+from .runtime.kv_cache import KVCacheOptions
 
 BACKENDS = ("torch",)
 
@@ -50,6 +53,10 @@ class TensorRTMMExporter(ITritonDeployable):
     ``media_policy`` caps the media the model decodes (image pixels, video frames and duration, audio bytes and
     duration); None keeps each model type's defaults. ``verify_engine``: check the engine files' sha256 at load
     (None: when not verified in their current state before; sizes are always checked).
+    The KV cache (TensorRT-LLM's names): ``kv_cache_free_gpu_mem_fraction`` of the GPU memory left free after the
+    model is loaded is taken by the paged cache; ``kv_cache_bytes`` is its size on the CPU (a cap on CUDA);
+    ``kv_cache_dtype`` "auto" (the model's) or "fp8"; ``enable_kv_cache_reuse`` shares the blocks of identical
+    prompt prefixes between requests; ``max_num_tokens`` caps the prompt positions one step prefills.
 
     LoRA at load, next to the adapters the engine holds: ``lora_checkpoint_path`` serves more NeMo LoRA adapters
     (see ``export``); ``lora_target_modules`` and ``max_lora_rank`` override the engine's; ``max_loras`` is how
@@ -60,7 +67,9 @@ class TensorRTMMExporter(ITritonDeployable):
                  device: str | None = None, media_policy: MediaPolicy | None = None,
                  verify_engine: bool | None = None, *, lora_checkpoint_path: str | Path | Sequence[str] | None = None,
                  lora_target_modules: Sequence[str] | None = None, max_lora_rank: int | None = None,
-                 max_loras: int | None = None):
+                 max_loras: int | None = None, kv_cache_free_gpu_mem_fraction: float = 0.9,
+                 kv_cache_bytes: int | None = None, kv_cache_dtype: str = "auto", enable_kv_cache_reuse: bool = True,
+                 max_num_tokens: int | None = None):
         if modality not in MODALITIES:
             raise InvalidModalityError(f"modality must be one of {MODALITIES}, got {modality!r}")
         self.model_dir = Path(model_dir)
@@ -71,6 +80,9 @@ class TensorRTMMExporter(ITritonDeployable):
         self.lora = LoraOptions(tuple(read_adapters(lora_checkpoint_path)),
                                 None if lora_target_modules is None else tuple(lora_target_modules), max_lora_rank,
                                 max_loras)
+        self.kv_cache = KVCacheOptions(free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction, max_bytes=kv_cache_bytes,
+                                       dtype=kv_cache_dtype, enable_reuse=enable_kv_cache_reuse)
+        self.max_num_tokens = max_num_tokens
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
         if load_model and (self.model_dir / "manifest.json").is_file():
@@ -169,9 +181,17 @@ class TensorRTMMExporter(ITritonDeployable):
                                        f"not {self.modality!r}")
         if self.pipeline is not None:
             self.pipeline.close()
-        self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy,
-                                  verify=self.verify_engine, lora=self.lora)
-        self.pipeline = Pipeline(self.engine)
+        kernels = KernelCache.for_device(self.model_dir, self.device) if self.device.startswith("cuda") else None
+        if kernels is not None:
+            kernels.use_compile_dirs()  # before anything compiles
+        with phase("load the engine"):
+            self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy,
+                                      verify=self.verify_engine, lora=self.lora)
+        with phase("warm-up: compile, choose kernels, capture graphs") as note:
+            restored = kernels.restore() if kernels is not None else None
+            self.pipeline = Pipeline(self.engine, kv_cache=self.kv_cache, max_num_tokens=self.max_num_tokens)
+            if restored is not None:
+                note["detail"] = f"{restored.describe()}; {'saved' if kernels.save() else 'not saved'}"
 
     def forward(
         self,

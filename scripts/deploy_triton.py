@@ -8,19 +8,30 @@ command line override the config. With `--visual_checkpoint` the checkpoint is e
 
 from __future__ import annotations
 
-import argparse
-import logging
-import sys
-import tempfile
-from pathlib import Path
+import time
 
-from omegaconf import OmegaConf
+STARTED = time.perf_counter()  # READY is logged as the time since here, imports included
 
-from deploy import DeployPyTriton
-from deploy.startup import DeployError, check_model_repository, check_port_free
-from wire import MODALITIES, stream_model_name
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import queue  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import threading  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from omegaconf import OmegaConf  # noqa: E402
+
+from deploy import DeployPyTriton  # noqa: E402
+from deploy.startup import DeployError, check_model_repository, check_port_free  # noqa: E402
+from wire import MODALITIES, stream_model_name  # noqa: E402
 
 LOGGER = logging.getLogger("deploy_triton")
+PREFETCH_THREADS = 4
+PREFETCH_BLOCK_BYTES = 64 << 20
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 LLM_MODEL_TYPES = ("gptnext", "gpt", "llama", "falcon", "starcoder", "mixtral", "gemma")
@@ -96,6 +107,15 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     (None, "--quantization", str, None, None,
      "store the LLM layers' weights quantized: int8_wo, int4_wo, int4_awq (calibrated on --calib_data) or fp8"),
     (None, "--calib_data", str, None, None, "int4_awq: calibration prompts, a text file, one a line (default: bundled)"),
+    (None, "--kv_cache_free_gpu_mem_fraction", float, None, 0.9,
+     "share of the GPU memory left free after loading the model that the paged KV cache takes"),
+    (None, "--kv_cache_bytes", int, None, None,
+     "bytes of the KV cache: its size on the CPU (default: every row at max_input_len + max_output_len, at most "
+     "4 GiB), a cap on the GPU"),
+    (None, "--kv_cache_dtype", str, ("auto", "fp8"), "auto",
+     "KV-cache storage: the model's dtype, or float8 e4m3 with per-head scales (GPUs with FP8)"),
+    (None, "--max_num_tokens", int, None, 512,
+     "prompt positions one scheduler step prefills at most (long prompts are prefilled in chunks between decode steps)"),
     (None, "--openai_port", int, None, None, "port of an OpenAI-compatible HTTP API (/v1/chat/completions)"),
     (None, "--openai_address", str, None, None, "address the OpenAI API listens on (default: --triton_http_address)"),
     (None, "--openai_max_request_bytes", int, None, None,
@@ -116,7 +136,7 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
 OPTIONAL_VALUE = {"use_lora_plugin": "auto"}  # given alone, the flag takes this value
 FLAG_OPTIONS = ("streaming", "media_allow_private_networks", "merge_lora")
 DEFAULTS = {long[2:]: default for _, long, _, _, default, _ in OPTIONS} | {"lora_target_modules": None}
-DEFAULTS |= {name: False for name in FLAG_OPTIONS} | {"verify_engine": None}
+DEFAULTS |= {name: False for name in FLAG_OPTIONS} | {"verify_engine": None, "enable_kv_cache_reuse": True}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -155,6 +175,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="check the sha256 of every engine file at load (default: when the files were not verified in their "
         "current state before; sizes are always checked)",
+    )
+    parser.add_argument(
+        "--enable_kv_cache_reuse",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the KV-cache blocks of identical prompt prefixes (token ids and media) between requests "
+        "(default: on)",
     )
     parser.add_argument(
         "--media_allow_private_networks",
@@ -207,6 +234,14 @@ def _validate(settings: dict) -> None:
             raise ValueError(f"{long} must be {kind.__name__}, got {value!r}")
     if settings["verify_engine"] not in (None, True, False):
         raise ValueError(f"verify_engine must be true or false, got {settings['verify_engine']!r}")
+    if settings["enable_kv_cache_reuse"] not in (True, False):
+        raise ValueError(f"enable_kv_cache_reuse must be true or false, got {settings['enable_kv_cache_reuse']!r}")
+    fraction = settings["kv_cache_free_gpu_mem_fraction"]
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"--kv_cache_free_gpu_mem_fraction must be in (0, 1], got {fraction}")
+    for name in ("kv_cache_bytes", "max_num_tokens"):
+        if settings[name] is not None and settings[name] < 1:
+            raise ValueError(f"--{name} must be positive, got {settings[name]}")
     if settings["lora_target_modules"] or settings["max_lora_rank"] is not None:
         from exporter.lora import plan_lora  # the exporter only when asked (the script starts without it)
 
@@ -252,6 +287,7 @@ def build_deployable(settings: argparse.Namespace):
     repository = Path(settings.triton_model_repository)
     if not exporting:
         check_model_repository(repository)
+        prefetch_engine(repository)
     try:
         from exporter import TensorRTMMExporter
     except ImportError as error:
@@ -264,7 +300,10 @@ def build_deployable(settings: argparse.Namespace):
     try:
         exporter = TensorRTMMExporter(
             model_dir=str(repository), load_model=not exporting, modality=settings.modality,
-            media_policy=media_policy(settings), verify_engine=settings.verify_engine, **extra
+            media_policy=media_policy(settings), verify_engine=settings.verify_engine,
+            kv_cache_free_gpu_mem_fraction=settings.kv_cache_free_gpu_mem_fraction,
+            kv_cache_bytes=settings.kv_cache_bytes, kv_cache_dtype=settings.kv_cache_dtype,
+            enable_kv_cache_reuse=settings.enable_kv_cache_reuse, max_num_tokens=settings.max_num_tokens, **extra
         )
         if exporting:
             step = "the export"
@@ -273,6 +312,55 @@ def build_deployable(settings: argparse.Namespace):
     except (OSError, ValueError, RuntimeError, _checkpoint_error()) as error:
         raise DeployError(f"{step} failed: {type(error).__name__}: {error}") from error
     return exporter
+
+
+def timed(phase: str, action: Callable[[], object]) -> None:
+    """Run `action`, then log the phase's time as the exporter logs its own phases."""
+    started = time.perf_counter()
+    action()
+    LOGGER.info("phase %s: %.2f s", phase, time.perf_counter() - started)
+
+
+def prefetch_engine(repository: Path) -> None:
+    """Read the engine's files (largest first) into the page cache on background threads, so that a cold start
+    reads the disk while the exporter is imported and CUDA starts, and the load then reads memory. Best effort:
+    skipped when the files would not fit in the available memory; read errors are left to the load."""
+    try:
+        files = json.loads((repository / "manifest.json").read_text())["files"]
+        sizes = {repository / name: int(record["size"]) for name, record in files.items()}
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
+        return
+    if sum(sizes.values()) > available // 2:
+        return
+    blocks: queue.SimpleQueue = queue.SimpleQueue()
+    for path, size in sorted(sizes.items(), key=lambda item: -item[1]):
+        for offset in range(0, size, PREFETCH_BLOCK_BYTES):
+            blocks.put((path, offset))
+    started, running = time.perf_counter(), [PREFETCH_THREADS]
+    lock = threading.Lock()
+
+    def read() -> None:
+        buffer = bytearray(PREFETCH_BLOCK_BYTES)
+        while True:
+            try:
+                path, offset = blocks.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                with open(path, "rb", buffering=0) as stream:
+                    os.preadv(stream.fileno(), [buffer], offset)
+            except OSError:
+                pass
+        with lock:
+            running[0] -= 1
+            if not running[0]:
+                LOGGER.info("phase prefetch the engine files (in the background): %.2f s (%.2f GB)",
+                            time.perf_counter() - started, sum(sizes.values()) / 1e9)
+
+    for _ in range(PREFETCH_THREADS):
+        threading.Thread(target=read, name="engine-prefetch", daemon=True).start()
 
 
 def _export_arguments(settings: argparse.Namespace) -> dict:
@@ -352,6 +440,7 @@ def _checkpoint_error() -> type[Exception]:
 def main(argv: list[str] | None = None) -> int:
     """Run the script; returns the exit status (0 after a clean stop, 1 on an error explained on stderr)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    LOGGER.info("phase imports: %.2f s", time.perf_counter() - STARTED)
     try:
         settings = parse_settings(argv)
         address = settings.triton_http_address
@@ -370,9 +459,9 @@ def main(argv: list[str] | None = None) -> int:
             streaming=settings.streaming,
             metrics_port=settings.metrics_port,
         )
-        deployer.deploy()
+        timed("warm-up request", deployer.deploy)
         try:
-            deployer.run()  # Triton is up: the OpenAI front says ready only now
+            timed("Triton start", deployer.run)  # Triton is up: the OpenAI front says ready only now
             openai_server = start_openai_server(settings, deployer)
         except (DeployError, ValueError):
             deployer.stop()
@@ -388,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
         settings.triton_port,
         settings.grpc_port,
     )
+    LOGGER.info("READY %.2f s after the process started", time.perf_counter() - STARTED)
     try:
         deployer.serve()
     except DeployError as error:

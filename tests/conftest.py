@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import io
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,45 @@ def make_tiny_gpt_weights(config: dict, vocab: int = 64, seed: int = 0) -> dict[
             }
         )
     return weights
+
+
+TRITON_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def run_under_triton_interpreter(test_file: str) -> None:
+    """Run ``test_file`` again in a child pytest with ``TRITON_INTERPRET=1`` (Triton reads it only when imported,
+    so kernel checks on the CPU run in a fresh process); fails with the child's output if any check fails."""
+    if TRITON_INTERPRETED:
+        pytest.skip("this is the child run")
+    root = Path(__file__).resolve().parents[1]
+    environment = {**os.environ, "TRITON_INTERPRET": "1",
+                   "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", test_file],
+                           cwd=root, env=environment, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
+    assert " passed" in child.stdout and "failed" not in child.stdout
+
+
+def captured_decode_logits(model, ids: torch.Tensor, start: int, kv_scales: torch.Tensor | None = None):
+    """Logits `[B, T - start, V]` of positions `start..T-1` of token rows `ids [B, T]` as the scheduler's steps
+    compute them: `ids[:, :start]` prefilled as prompt pieces into a paged KV cache (float8 with `kv_scales`), then
+    one decode step per further token (captured CUDA graphs on CUDA). Returns the logits and the step (for its
+    graph count)."""
+    from exporter.llm.sampling import TokenChooser
+    from exporter.runtime.cuda_graphs import ForwardStep, Piece
+
+    rows, length = ids.shape
+    block_size = 16
+    width = -(-length // block_size) + 1
+    cache = model.new_paged_kv_cache(1 + rows * width, block_size, kv_scales)
+    tables = torch.arange(1, 1 + rows * width, dtype=torch.int32).view(rows, width)
+    chooser = TokenChooser(rows, model.config.vocab_size, model.device)
+    step = ForwardStep(model, cache, tables.to(model.device), chooser, max_chunk=max(start * rows, 32))
+    ids = ids.to(model.device)
+    step.launch(0, 0, [Piece(model.embed(ids[row, :start]), 0, tables[row].tolist()) for row in range(rows)])
+    logits = [step.launch(rows, t + 1, tokens=ids[:, t].tolist(), positions=[t] * rows)[0].logits.clone()
+              for t in range(start, length)]
+    return torch.stack(logits, 1), step
 
 
 @pytest.fixture

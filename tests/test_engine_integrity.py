@@ -127,7 +127,7 @@ def test_an_interrupted_export_leaves_everything_as_it_was(vlm, engine, monkeypa
     """Ctrl-C when the new engine is all written (only its inventory is missing): the staging folder goes."""
     import exporter.engine.directory as directory
 
-    def interrupt(_folder):
+    def interrupt(_folder, **_):
         raise KeyboardInterrupt
 
     before = snapshot(engine)

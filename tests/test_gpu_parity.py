@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_gpt_weights
+from conftest import captured_decode_logits, make_tiny_gpt_weights
 from exporter.llm.config import DecoderConfig
 from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
-from exporter.runtime.cuda_graphs import DecodeStep, GraphedCall
+from exporter.runtime.cuda_graphs import GraphedCall
 from exporter.runtime.scheduler import Scheduler, generate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -49,13 +49,14 @@ def test_float32_greedy_tokens_equal_the_cpu():
         assert (top2[:, 0] - top2[:, 1]).min() > 1e-4
     scheduler = Scheduler(gpu, max_slots=4, max_seq_len=64, eos_id=None, use_cuda_graphs=True)
     handles = [scheduler.submit(gpu.embed(p.cuda()), p.tolist(), params) for p in prompts[:2]]
-    scheduler.step()  # the first two are prefilled together, eagerly; the third alone, as a graph
+    scheduler.step()  # the first two are prefilled together in a captured step; the third joins decoding rows
     handles.append(scheduler.submit(gpu.embed(prompts[2].cuda()), prompts[2].tolist(), params))
     while scheduler.step():
         pass
     assert [h.result() for h in handles] == expected
-    assert scheduler.decode.graph_count > 0, "the decode steps did not run as CUDA graphs"
-    assert list(scheduler.prefill.graphs) == [64], "the lone prompt was not prefilled by a CUDA graph"
+    graphs = set(scheduler.forward.graphs)
+    assert (0, 32, False) in graphs, "the first prompts were not prefilled by a captured step"
+    assert any(rows and chunk for rows, chunk, _ in graphs), "the third prompt did not ride on a captured decode step"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -66,13 +67,9 @@ def test_half_precision_logits_within_2e_2_of_float32(dtype):
     logits = {}
     for precision in (torch.float32, dtype):
         model = _decoder("cuda", precision)
-        cache = model.new_kv_cache(2, 64)
-        steps = [model(model.embed(ids[:, :16]), kv_cache=cache)]
-        decode = DecodeStep(model, cache, use_cuda_graphs=True)
-        for t in range(16, 24):
-            steps.append(decode.launch(2, t + 1, ids[:, t].tolist(), [t, t]).logits[:, None].clone())
-        assert decode.graph_count > 0
-        logits[precision] = torch.cat(steps, dim=1)
+        decoded, step = captured_decode_logits(model, ids, 16)
+        assert step.graph_count > 0
+        logits[precision] = torch.cat([model(model.embed(ids[:, :16])), decoded], dim=1)
     error = _relative_error(logits[dtype], logits[torch.float32])
     assert error < 2e-2, f"relative error {error:.3e}"
     cpu = _decoder("cpu", torch.float32)

@@ -30,6 +30,7 @@ def test_mixed_rows_in_captured_steps_equal_each_alone():
     alone = [generate(gpu, [gpu.embed(p.cuda())], [p.tolist()], [params])[0] for p, params in zip(prompts, PARAMS)]
     scheduler = Scheduler(gpu, max_slots=8, max_seq_len=64, eos_id=None, use_cuda_graphs=True, max_beam_width=3)
     scheduler.warm_up()
+    captured = scheduler.forward.graph_count
     handles = [scheduler.submit(gpu.embed(p.cuda()), p.tolist(), params) for p, params in zip(prompts, PARAMS)][:3]
     for _ in range(4):
         scheduler.step()
@@ -37,7 +38,7 @@ def test_mixed_rows_in_captured_steps_equal_each_alone():
     while scheduler.step():
         pass
     assert [handle.results() for handle in handles] == alone
-    assert scheduler.decode.graph_count == 2 * len(scheduler.decode.buckets) * len(scheduler.decode.spans)
+    assert captured > 0 and scheduler.forward.graph_count == captured  # the warm-up captured every step it ran
     assert scheduler.steps_queued_ahead == scheduler.decode_steps - 1
 
     cpu = _decoder("cpu", torch.float32)

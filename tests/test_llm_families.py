@@ -17,7 +17,7 @@ import torch
 from llm_families import FAMILIES, mixtral, starcoder2
 from test_llm_parity import check_logits_and_cache, hf_greedy, relative_error
 
-from conftest import train_sentencepiece
+from conftest import captured_decode_logits, train_sentencepiece
 from exporter.checkpoint import NemoCheckpoint, canonical_name
 from exporter.checkpoint.experts import ExpertStacks, stack_experts
 from exporter.llm import Decoder, DecoderConfig, SamplingParams, load_llm
@@ -236,8 +236,6 @@ def well_routed_ids(decoder: Decoder, rows: int, length: int, margin: float = 0.
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @torch.inference_mode()
 def test_moe_on_gpu_bfloat16_stays_close_to_float32_and_graphs_capture():
-    from exporter.runtime.cuda_graphs import DecodeStep
-
     family = mixtral(seed=6)
     config = DecoderConfig.from_nemo(family.config, VOCAB)
     cpu = Decoder.from_state_dict(config, {k: v.clone() for k, v in family.weights.items()})
@@ -245,12 +243,9 @@ def test_moe_on_gpu_bfloat16_stays_close_to_float32_and_graphs_capture():
     ids = well_routed_ids(cpu, rows=2, length=12)
     reference = cpu(cpu.embed(ids))
     assert relative_error(gpu(gpu.embed(ids.cuda())).cpu(), reference) < 2e-2  # a prefill: the grouped kernel
-    cache = gpu.new_kv_cache(2, 64)
-    gpu(gpu.embed(ids[:, :8].cuda()), kv_cache=cache)
-    step = DecodeStep(gpu, cache, use_cuda_graphs=True)
-    logits = [step.launch(2, 9 + t, ids[:, 8 + t].tolist(), [8 + t] * 2).logits.float().cpu() for t in range(4)]
+    logits, step = captured_decode_logits(gpu, ids, 8)
     assert step.graph_count > 0, "the decode steps did not run as CUDA graphs"
-    assert relative_error(torch.stack(logits, 1), reference[:, 8:12]) < 2e-2
+    assert relative_error(logits.float().cpu(), reference[:, 8:12]) < 2e-2
     float32 = Decoder.from_state_dict(config, family.weights, device="cuda")  # the kernel in float32 on the GPU
     assert relative_error(float32(float32.embed(ids.cuda())).cpu(), reference) < 1e-4
 

@@ -8,16 +8,12 @@ kernel checks below are collected. Shapes: LLaVA-1.5-7B's layer shapes scaled do
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+from conftest import TRITON_INTERPRETED, run_under_triton_interpreter  # noqa: E402
 from exporter.llm.config import QUANT_METHODS, QuantConfig  # noqa: E402
 from exporter.llm.quant.formats import QuantLayout, dequantize, quantize  # noqa: E402
 
@@ -26,12 +22,9 @@ LLAVA_SCALED = ((768, 256), (256, 256), (1376, 256), (256, 688))
 UNALIGNED = ((37, 100), (33, 90), (65, 160))
 
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
 @pytest.fixture(scope="module")
 def kernels():
-    if not INTERPRETED:
+    if not TRITON_INTERPRETED:
         pytest.skip("runs in the child pytest (TRITON_INTERPRET=1)")
     from exporter.llm.quant import kernels
 
@@ -39,15 +32,7 @@ def kernels():
 
 
 def test_kernels_under_the_triton_interpreter():
-    if INTERPRETED:
-        pytest.skip("this is the child run")
-    root = Path(__file__).resolve().parents[1]
-    environment = {**os.environ, "TRITON_INTERPRET": "1",
-                   "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__],
-                           cwd=root, env=environment, capture_output=True, text=True, timeout=600)
-    assert child.returncode == 0, child.stdout[-6000:] + child.stderr[-2000:]
-    assert " passed" in child.stdout and "failed" not in child.stdout
+    run_under_triton_interpreter(__file__)
 
 
 def _stored(method: str, n: int, k: int, dtype: torch.dtype, seed: int):

@@ -197,26 +197,24 @@ def test_limits_are_refused(model):
         Scheduler(model, max_slots=2, max_seq_len=16, eos_id=None, max_beam_width=3)
 
 
-def test_admission_fills_the_lowest_run_of_free_slots(model):
+def test_admission_fills_the_lowest_free_slots(model):
     scheduler = Scheduler(model, max_slots=3, max_seq_len=64, eos_id=None)
     short = scheduler.submit(*_prompt(model, 60, 4), SamplingParams(max_output_len=2))
     scheduler.submit(*_prompt(model, 61, 4), SamplingParams(max_output_len=30))
     third = scheduler.submit(*_prompt(model, 62, 4), SamplingParams(max_output_len=2))
-    scheduler.step()
-    scheduler.step()
+    for _ in range(3):  # the prompts with their first tokens, then two decode steps (one read per step)
+        scheduler.step()
     assert short.done and third.done and scheduler.slots[1] is not None  # slots 0 and 2 free, 1 busy
     late = [(*_prompt(model, 63 + k, 5 + k), SamplingParams(max_output_len=4 + k)) for k in range(2)]
     handles = [scheduler.submit(*request) for request in late]
     scheduler.step()
-    assert scheduler.slots[0] is not None and scheduler.slots[2] is None  # the second waits for the next step
-    scheduler.step()
-    assert scheduler.slots[2] is not None
+    assert scheduler.slots[0] is not None and scheduler.slots[2] is not None  # both around the busy row
     _run(scheduler)
     for handle, (prompt, ids, params) in zip(handles, late):
         assert handle.result(timeout=0) == _alone(model, prompt, ids, params)
 
 
-def test_a_captured_span_longer_than_the_furthest_position_changes_nothing(model):
+def test_gathering_more_positions_than_the_furthest_changes_nothing(model):
     scheduler = Scheduler(model, max_slots=2, max_seq_len=200, eos_id=None)
     for seed, length in ((70, 9), (71, 23)):
         scheduler.submit(*_prompt(model, seed, length), SamplingParams(max_output_len=50))
@@ -225,9 +223,9 @@ def test_a_captured_span_longer_than_the_furthest_position_changes_nothing(model
     state = scheduler.chooser.snapshot()
     furthest = int(scheduler.chooser.ints[POSITION, :2].max()) + 1
     with torch.inference_mode():
-        exact = scheduler.decode._compute(2, furthest, False)
+        exact = scheduler.forward._compute(2, None, False, span=furthest)
         scheduler.chooser.restore(state)
-        spanned = scheduler.decode._compute(2, scheduler.cache.max_seq_len, False)
+        spanned = scheduler.forward._compute(2, None, False, span=scheduler.max_seq_len)
     torch.testing.assert_close(spanned, exact, rtol=1e-5, atol=1e-5)
 
 
@@ -260,19 +258,19 @@ def test_steps_queued_ahead_leave_the_tokens_unchanged(model):
 
 def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(model):
     scheduler = Scheduler(model, max_slots=2, max_seq_len=64, eos_id=None)
-    decode = scheduler.decode
+    forward = scheduler.forward
 
     class Broken:
         def launch(self, *args, **kwargs):
             raise RuntimeError("device lost")
 
-    scheduler.decode = Broken()
+    scheduler.forward = Broken()
     scheduler.start()
     try:
         broken = scheduler.submit(*_prompt(model, 80, 4), SamplingParams(max_output_len=5))
         with pytest.raises(RuntimeError, match="device lost"):
             broken.result(timeout=30)
-        scheduler.decode = decode
+        scheduler.forward = forward
         prompt, ids = _prompt(model, 81, 6)
         assert scheduler.submit(prompt, ids, SamplingParams(max_output_len=5)).result(timeout=30) == _alone(
             model, prompt, ids, SamplingParams(max_output_len=5))

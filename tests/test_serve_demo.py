@@ -144,3 +144,7 @@ def test_deploy_script_exports_serves_and_query_script_answers(tmp_path):
     finally:
         stop_server(server, 120)
     assert server.returncode == 0
+    log = server.stderr.read()
+    for phase in ("imports", "write the LLM weights", "LLM weights: read + transfer", "warm-up request", "Triton start"):
+        assert f"phase {phase}: " in log, phase  # each start-up phase with its time
+    assert " s after the process started" in log

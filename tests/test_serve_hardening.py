@@ -69,7 +69,8 @@ def test_a_50_mb_prompt_is_refused_at_once_and_memory_stays_flat(server):
         timings["grpc"].append(time.monotonic() - started)
         assert code == "INVALID_ARGUMENT" and "input_text is 50000000 bytes" in message
     print(f"50 MB prompt refused in {timings}")
-    assert all(min(seconds) < 0.5 for seconds in timings.values()), timings
+    # Sending 50 MB alone takes ~0.4 s on a busy 2-core machine; tokenizing them would take far longer than 2 s.
+    assert all(min(seconds) < 2.0 for seconds in timings.values()), timings
     assert server.rss() - before < 64 * 1024 * 1024, f"RSS {before >> 20} -> {server.rss() >> 20} MiB"
     assert server.process.poll() is None
 

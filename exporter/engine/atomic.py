@@ -3,7 +3,8 @@
 The staging folder lies inside the target folder, so the renames never cross a filesystem (the target may be a
 mount point). A failed or interrupted export removes its staging folder and leaves the previous engine and every
 other file untouched. Only the previous engine's own entries (those its manifest lists, with the manifest and the
-verified marker) are replaced; a folder that holds files but no engine is refused.
+verified marker) are replaced; a folder that holds files but no engine is refused. The kernel cache (`.cache/`)
+is kept: its entries are keyed by GPU, software and weight shapes, so they stay valid for the new engine.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import EngineError
-from .integrity import MANIFEST, VERIFIED_MARKER
+from .integrity import CACHE_DIR, MANIFEST, VERIFIED_MARKER
 
 #: The top-level entries of a format-1 engine, whose manifest had no file inventory.
 FORMAT1_ENTRIES = (MANIFEST, "llm_engine", "visual_engine", "perception_engine")
@@ -35,7 +36,8 @@ def previous_engine(model_dir: Path, delete_existing_files: bool) -> list[str]:
         return []
     if not model_dir.is_dir():
         raise EngineError(f"{model_dir} is a file; give a folder for the engine")
-    present = {p.name for p in model_dir.iterdir() if not p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX))}
+    present = {p.name for p in model_dir.iterdir()
+               if not p.name.startswith((STAGING_PREFIX, REPLACED_PREFIX)) and p.name != CACHE_DIR}
     if not present:
         return []
     if MANIFEST not in present:

@@ -10,15 +10,17 @@ Layout (docs/engine_format.md)::
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from ..checkpoint import NemoCheckpoint
 from ..llm.config import DecoderConfig
@@ -42,11 +44,15 @@ from ..models import Perception, get_model_type
 from ..models.templates import ChatTemplate
 from .atomic import install, previous_engine, staging_folder
 from .errors import EngineError
-from .integrity import MANIFEST, check_files, describe_files, mark_verified, sha256_file
+from .integrity import AGAIN, MANIFEST, check_files, describe_files, mark_verified, sha256_file
 from .limits import EngineLimits
+from .loading import LoadStats, load_tensors
+from .progress import byte_progress, phase
+from .writing import write_tensors
 
 FORMAT_VERSION = 2
 LLM_DIR = "llm_engine"
+LLM_WEIGHTS = f"{LLM_DIR}/model.safetensors"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -88,7 +94,9 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
     ``quantization`` (``int8_wo``, ``int4_wo``, ``int4_awq``, ``fp8``) stores the LLM layers' weights quantized,
     computed on ``device``; ``calib_data``: int4_awq's calibration prompts (a text file, one per line). ``lora``:
     the LoRA adapters served per request (stored in the engine); ``merged_lora``: one adapter merged into the
-    weights instead (its checkpoint's other fine-tuned tensors, a projector say, replace the base's)."""
+    weights instead (its checkpoint's other fine-tuned tensors, a projector say, replace the base's).
+    Once the checkpoint is read, its sha256 is taken on a thread of its own (from the page cache, mostly) while the
+    perception and the LLM weights are written."""
     kind = get_model_type(model_type)
     quantizer = None if quantization is None and calib_data is None else \
         ExportQuantization.from_options(quantization, calib_data, device)
@@ -96,47 +104,57 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
     limits = limits or EngineLimits()
     if limits.vision_max_batch_size is None:  # the manifest records the model type's default
         limits = replace(limits, vision_max_batch_size=kind.perception.encoder_batch)
-    checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
-    config = checkpoint.config
-    weights = checkpoint.state_dict()
-    if merged_lora is not None:
-        merge_extra(weights, merged_lora)
+    with phase("read the checkpoint"):
+        checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
+        config = checkpoint.config
+        weights = checkpoint.state_dict()
+    with _hashing_sources(visual_checkpoint_path, llm_checkpoint_path) as source:
+        if merged_lora is not None:
+            merge_extra(weights, merged_lora)
+        if llm_checkpoint_path is None:
+            merge_lora(weights, config)  # in place, before the perception's thread reads `weights`
+        with ThreadPoolExecutor(1, thread_name_prefix="perception-export") as pool:
+            # the perception is built and written while the LLM weights are written (mostly outside the GIL)
+            perception = pool.submit(_write_perception, kind, model_dir / kind.perception_dir, config, weights,
+                                     target, limits, vision_tower_path=vision_tower_path,
+                                     audio_frontend=audio_frontend, video_frame_sampling=video_frame_sampling,
+                                     export_onnx=export_onnx)
+            llm_checkpoint = checkpoint
+            if llm_checkpoint_path is None:
+                llm_weights = select_llm_weights(weights)
+            else:
+                with phase("read the LLM checkpoint"):
+                    llm_checkpoint = NemoCheckpoint(llm_checkpoint_path, rename_keys=rename_keys)
+                    llm_weights = select_llm_weights(merge_lora(llm_checkpoint.state_dict(), llm_checkpoint.config))
+            del weights
+            if not llm_weights:
+                raise EngineError(f"{llm_checkpoint.path} holds no LLM weights; give the LLM checkpoint as "
+                                  "llm_checkpoint_path (-lc/--llm_checkpoint)")
+            if merged_lora is not None:
+                merge_adapter(llm_weights, merged_lora)
+            if lora is not None:  # before the LLM is written: a bad adapter fails fast
+                vocab_size = int(llm_weights["embedding.word_embeddings.weight"].shape[0])
+                shapes = DecoderConfig.from_nemo(llm_checkpoint.config, vocab_size=vocab_size)
+                for adapter in lora.adapters:
+                    check_lora_adapter(shapes, lora.modules, lora.max_rank, adapter.uid, adapter.rank,
+                                       adapter.weights)
+            tokenizer = llm_checkpoint.tokenizer(tokenizer_path=tokenizer_path)
+            llm_config, llm_sha256 = _write_llm(
+                model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target,
+                None if quantizer is None else lambda config, w: quantizer.apply(config, w, tokenizer))
+            if lora is not None:
+                save_adapters(model_dir / LLM_DIR / LORA_DIR, lora.adapters, target)
+            tokenizer_description = tokenizer.save(model_dir / LLM_DIR)
+            (model_dir / LLM_DIR / "tokenizer_description.json").write_text(
+                json.dumps(tokenizer_description, indent=2))
+            (model_dir / LLM_DIR / "template.json").write_text(
+                json.dumps(kind.chat_template(config).to_dict(), indent=2))
+            perception_facts = perception.result()
+        with phase("hash the checkpoint (the rest of it)"):
+            described_source = source.result()
 
-    encoder = kind.build_perception(config, weights, dtype=torch.float32 if target == torch.float32 else target,
-                                    vision_tower_path=vision_tower_path, audio_frontend=audio_frontend)
-    perception_facts = kind.save_perception(encoder, model_dir / kind.perception_dir, config,
-                                            video_frame_sampling=video_frame_sampling)
-    limits.check_export(perception_facts["features_per_item"])
-    if export_onnx:
-        kind.export_onnx(encoder, model_dir / kind.perception_dir)
-    del encoder
-
-    llm_checkpoint = checkpoint
-    if llm_checkpoint_path is not None:
-        del weights
-        llm_checkpoint = NemoCheckpoint(llm_checkpoint_path, rename_keys=rename_keys)
-        weights = llm_checkpoint.state_dict()
-    llm_weights = select_llm_weights(merge_lora(weights, llm_checkpoint.config))
-    del weights
-    if not llm_weights:
-        raise EngineError(f"{llm_checkpoint.path} holds no LLM weights; give the LLM checkpoint as "
-                          "llm_checkpoint_path (-lc/--llm_checkpoint)")
-    if merged_lora is not None:
-        merge_adapter(llm_weights, merged_lora)
-    if lora is not None:  # before the LLM is written: a bad adapter fails fast
-        vocab_size = int(llm_weights["embedding.word_embeddings.weight"].shape[0])
-        shapes = DecoderConfig.from_nemo(llm_checkpoint.config, vocab_size=vocab_size)
-        for adapter in lora.adapters:
-            check_lora_adapter(shapes, lora.modules, lora.max_rank, adapter.uid, adapter.rank, adapter.weights)
-    tokenizer = llm_checkpoint.tokenizer(tokenizer_path=tokenizer_path)
-    llm_config = _write_llm(model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target,
-                            None if quantizer is None else lambda config, w: quantizer.apply(config, w, tokenizer))
-    if lora is not None:
-        save_adapters(model_dir / LLM_DIR / LORA_DIR, lora.adapters, target)
-    tokenizer_description = tokenizer.save(model_dir / LLM_DIR)
-    (model_dir / LLM_DIR / "tokenizer_description.json").write_text(json.dumps(tokenizer_description, indent=2))
-    (model_dir / LLM_DIR / "template.json").write_text(json.dumps(kind.chat_template(config).to_dict(), indent=2))
-
+    with phase("hash the other engine files"):
+        files = describe_files(model_dir, known={LLM_WEIGHTS: llm_sha256})
     manifest = {
         "format_version": FORMAT_VERSION,
         "model_type": model_type,
@@ -148,38 +166,69 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
         "lora_merged": None if merged_lora is None else {"uid": merged_lora.uid, **merged_lora.describe()},
         "limits": limits.to_dict(),
         "features_per_item": perception_facts["features_per_item"],
-        "source": _describe_source(visual_checkpoint_path, llm_checkpoint_path),
-        "package_version": _package_version(),
-        "files": describe_files(model_dir),
+        "source": described_source,
+        "package_version": package_version(),
+        "files": files,
     }
     (model_dir / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return manifest
 
 
+def _write_perception(kind, folder: Path, config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                      limits: EngineLimits, *, vision_tower_path: str | None, audio_frontend: str | None,
+                      video_frame_sampling: str | None, export_onnx: bool) -> dict[str, Any]:
+    """Build the model type's perception from `weights` (read only) and write it into `folder`; its facts."""
+    with phase("perception"):
+        encoder = kind.build_perception(config, weights, dtype=torch.float32 if dtype == torch.float32 else dtype,
+                                        vision_tower_path=vision_tower_path, audio_frontend=audio_frontend)
+        facts = kind.save_perception(encoder, folder, config, video_frame_sampling=video_frame_sampling)
+        limits.check_export(facts["features_per_item"])
+        if export_onnx:
+            kind.export_onnx(encoder, folder)
+    return facts
+
+
 def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype,
                quantize: Callable[[DecoderConfig, dict[str, torch.Tensor]], DecoderConfig] | None = None
-               ) -> DecoderConfig:
-    """Cast the decoder weights one tensor at a time (never two full copies), quantize them if asked, and save
-    them with the config (returned)."""
+               ) -> tuple[DecoderConfig, str]:
+    """Write the decoder weights (cast to `dtype` as each is written, consuming `weights`: never two copies;
+    quantized first if asked) and the config; return the config and the weights file's sha256."""
     directory.mkdir(parents=True, exist_ok=True)
     vocab_size = int(weights["embedding.word_embeddings.weight"].shape[0])
     decoder_config = DecoderConfig.from_nemo(model_config, vocab_size=vocab_size)
-    for name in list(weights):
-        weights[name] = weights.pop(name).to(dtype).contiguous()
     if quantize is not None:
+        for name in list(weights):
+            weights[name] = weights.pop(name).to(dtype).contiguous()
         decoder_config = quantize(decoder_config, weights)
     Decoder.from_state_dict(decoder_config, {k: v.to("meta") for k, v in weights.items()})  # names/shapes check
     (directory / "config.json").write_text(json.dumps(decoder_config.to_dict(), indent=2))
-    save_file(weights, str(directory / "model.safetensors"))
-    return decoder_config
+    total = sum(t.numel() for t in weights.values()) * dtype.itemsize if quantize is None else \
+        sum(t.numel() * t.element_size() for t in weights.values())
+    with phase("write the LLM weights") as note, byte_progress("writing the LLM weights", total) as progress:
+        sha256 = write_tensors(directory / "model.safetensors", weights, None if quantize else dtype, progress)
+        note["detail"] = f"{total / 1e9:.2f} GB"
+    return decoder_config, sha256
 
 
-def _describe_source(*paths: str | Path | None) -> list[dict[str, str]]:
-    return [{"name": Path(p).name, "sha256": "directory" if Path(p).is_dir() else sha256_file(Path(p))}
-            for p in paths if p is not None]
+@contextlib.contextmanager
+def _hashing_sources(*paths: str | Path | None) -> Iterator[Future]:
+    """The manifest's `source` entries (name and sha256 of each checkpoint), computed on a thread of its own
+    while the block runs; a failing block stops it."""
+    stop = threading.Event()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="checkpoint-hash")
+    try:
+        yield pool.submit(lambda: [{"name": Path(p).name,
+                                    "sha256": "directory" if Path(p).is_dir() else sha256_file(Path(p), stop)}
+                                   for p in paths if p is not None])
+    except BaseException:
+        stop.set()
+        raise
+    finally:
+        pool.shutdown(wait=False)
 
 
-def _package_version() -> str:
+def package_version() -> str:
+    """This package's installed version ("unknown" when run from a source tree that is not installed)."""
     try:
         return metadata.version("nemo-mm-deploy")
     except metadata.PackageNotFoundError:
@@ -233,20 +282,56 @@ def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = 
     """
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
-    check_files(model_dir, manifest, verify)
+    with phase("check the engine files") as note:
+        hash_check = check_files(model_dir, manifest, verify, streamed=[LLM_WEIGHTS])
+        note["detail"] = "sizes and headers" + ("; hashing the files as they are read" if hash_check else "")
     kind = get_model_type(manifest["model_type"])
     target = torch_dtype(dtype or manifest["dtype"])
     llm_dir = model_dir / LLM_DIR
     decoder_config = DecoderConfig.from_dict(json.loads((llm_dir / "config.json").read_text()))
-    decoder = Decoder.from_state_dict(decoder_config, load_file(str(llm_dir / "model.safetensors")),
-                                      dtype=target, device=device)
-    _serve_lora(decoder, manifest.get("lora"), llm_dir / LORA_DIR, lora or LoraOptions())
+    limits = EngineLimits(**manifest["limits"])
+    with ThreadPoolExecutor(1, thread_name_prefix="perception-load") as pool:
+        rest = pool.submit(_load_rest, kind, model_dir, device, target, media,  # while the LLM weights stream in
+                           limits.vision_max_batch_size)
+        digest = hash_check.digests[LLM_WEIGHTS] if hash_check else None
+        weights = load_llm_weights(model_dir, device, digest)
+        decoder = Decoder.from_state_dict(decoder_config, weights, dtype=target, device=device)
+        del weights
+        _serve_lora(decoder, manifest.get("lora"), llm_dir / LORA_DIR, lora or LoraOptions())
+        tokenizer, template, perception = rest.result()
+    if hash_check is not None:
+        with phase("finish the hash check"):
+            hash_check.finish()
+    return Engine(manifest, limits, decoder, tokenizer, template, perception)
+
+
+def load_llm_weights(model_dir: Path, device: str | torch.device, digest=None) -> dict[str, torch.Tensor]:
+    """The LLM weights of an engine on `device` (`exporter.engine.loading`), logged as the read + transfer phase;
+    `digest` is fed the file's bytes."""
+    path = model_dir / LLM_WEIGHTS
+    stats = LoadStats()
+    with phase("LLM weights: read + transfer") as note, \
+            byte_progress("loading the LLM weights", path.stat().st_size) as progress:
+        try:
+            weights = load_tensors(path, device, digest, progress, stats)
+        except ValueError as error:
+            raise EngineError(f"engine file {LLM_WEIGHTS} is not a readable safetensors file ({error}); "
+                              f"{AGAIN}") from None
+        note["detail"] = f"{stats.describe()} to {device}" + \
+            (f"; reading busy {stats.read_seconds:.2f} s over its threads" if stats.read_seconds else "")
+    return weights
+
+
+def _load_rest(kind, model_dir: Path, device: str, dtype: torch.dtype, media: MediaPolicy | None,
+               encoder_batch: int | None) -> tuple[Tokenizer, ChatTemplate, Perception]:
+    """Tokenizer, template and perception of an engine."""
+    llm_dir = model_dir / LLM_DIR
     tokenizer = load_saved_tokenizer(llm_dir, json.loads((llm_dir / "tokenizer_description.json").read_text()))
     template = ChatTemplate.from_dict(json.loads((llm_dir / "template.json").read_text()))
-    limits = EngineLimits(**manifest["limits"])
-    perception = kind.load_perception(model_dir / kind.perception_dir, device=device, dtype=target,
-                                      media=media, encoder_batch=limits.vision_max_batch_size)
-    return Engine(manifest, limits, decoder, tokenizer, template, perception)
+    with phase("perception"):
+        perception = kind.load_perception(model_dir / kind.perception_dir, device=device, dtype=dtype, media=media,
+                                          encoder_batch=encoder_batch)
+    return tokenizer, template, perception
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,9 @@
 Sizes and safetensors headers are checked at every load (cheap). Hashes are checked when asked, or by default when
 the engine has not been verified in its current state: a verified check leaves a marker (`.verified`) keyed by the
 manifest's bytes and every file's size and modification time, so rewriting or copying a file brings the check back.
+Files are hashed in parallel; a file the loader reads anyway (the LLM weights) is hashed as it streams
+(`HashCheck`), not read twice. Files under `.cache/` (kernel choices and compiled kernels, `kernel_cache`) are no
+part of the engine: the inventory never lists them.
 """
 
 from __future__ import annotations
@@ -10,6 +13,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
+from collections.abc import Collection, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -19,33 +25,46 @@ from .errors import EngineError
 
 MANIFEST = "manifest.json"
 VERIFIED_MARKER = ".verified"
-HASH_BLOCK_BYTES = 1 << 20
+CACHE_DIR = ".cache"
+HASH_BLOCK_BYTES = 8 << 20
+HASHERS = 4
 AGAIN = "export the checkpoint again"
 
 
-def describe_files(model_dir: Path) -> dict[str, dict[str, Any]]:
-    """`{relative path: {"size", "sha256"}}` of every file under `model_dir` but the manifest and the marker."""
-    files = {}
-    for path in sorted(p for p in model_dir.rglob("*") if p.is_file()):
-        name = path.relative_to(model_dir).as_posix()
-        if name not in (MANIFEST, VERIFIED_MARKER):
-            files[name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
-    return files
+def describe_files(model_dir: Path, known: Mapping[str, str] | None = None) -> dict[str, dict[str, Any]]:
+    """`{relative path: {"size", "sha256"}}` of every engine file under `model_dir` (not the manifest, the marker
+    or `.cache/`); `known` gives the sha256 of files hashed as they were written."""
+    known = known or {}
+    paths = {path.relative_to(model_dir).as_posix(): path for path in sorted(model_dir.rglob("*")) if path.is_file()}
+    names = [name for name in paths if name not in (MANIFEST, VERIFIED_MARKER) and name.split("/")[0] != CACHE_DIR]
+    with ThreadPoolExecutor(HASHERS, thread_name_prefix="engine-hash") as pool:
+        hashes = {name: pool.submit(sha256_file, paths[name]) for name in names if name not in known}
+        return {name: {"size": paths[name].stat().st_size,
+                       "sha256": known[name] if name in known else hashes[name].result()} for name in names}
 
 
-def sha256_file(path: Path) -> str:
-    """Hex sha256 of a file's bytes, read in blocks."""
+def sha256_file(path: Path, stop: threading.Event | None = None) -> str:
+    """Hex sha256 of a file's bytes, read in blocks ("" when `stop` is set before the end)."""
     digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        for block in iter(lambda: stream.read(HASH_BLOCK_BYTES), b""):
-            digest.update(block)
+    with path.open("rb", buffering=0) as stream:
+        block = bytearray(HASH_BLOCK_BYTES)
+        view = memoryview(block)
+        while got := stream.readinto(block):
+            if stop is not None and stop.is_set():
+                return ""
+            digest.update(view[:got])
     return digest.hexdigest()
 
 
-def check_files(model_dir: Path, manifest: dict[str, Any], verify: bool | None = None) -> None:
+def check_files(model_dir: Path, manifest: dict[str, Any], verify: bool | None = None,
+                streamed: Collection[str] = ()) -> HashCheck | None:
     """Raise an EngineError naming the first bad file: missing, wrong size, unreadable safetensors header, or
     (with `verify`; None: unless verified in this state before) a sha256 mismatch. A passed hash check leaves the
-    marker."""
+    marker.
+
+    The hashes of the `streamed` files are left to the caller, who reads them anyway: when hashes are due, the
+    returned `HashCheck` gives their digests to feed and is finished by the caller once they are read (the other
+    files are hashed meanwhile, in the background). None when no hash check is due."""
     files = manifest.get("files")
     if not isinstance(files, dict):
         raise EngineError(f"{MANIFEST} lists no engine files; {AGAIN}")
@@ -66,11 +85,33 @@ def check_files(model_dir: Path, manifest: dict[str, Any], verify: bool | None =
     if verify is None:
         verify = _read_marker(model_dir) != _marker(model_dir, files)
     if not verify:
-        return
-    for name, record in files.items():
-        if sha256_file(model_dir / name) != record["sha256"]:
-            raise EngineError(f"engine file {name} is corrupt: sha256 mismatch; {AGAIN}")
-    mark_verified(model_dir, files)
+        return None
+    check = HashCheck(model_dir, files, [name for name in streamed if name in files])
+    if not check.digests:
+        check.finish()
+        return None
+    return check
+
+
+class HashCheck:
+    """A hash check under way: the files not streamed are hashed on threads; `digests` are the streamed files'
+    hashlib objects, to be fed their bytes in order; `finish()` compares everything and leaves the marker."""
+
+    def __init__(self, model_dir: Path, files: dict[str, Any], streamed: Collection[str]):
+        self.model_dir, self.files = model_dir, files
+        self.digests = {name: hashlib.sha256() for name in streamed}
+        pool = ThreadPoolExecutor(HASHERS, thread_name_prefix="engine-hash")
+        self._hashed: dict[str, Future] = {name: pool.submit(sha256_file, model_dir / name)
+                                           for name in files if name not in self.digests}
+        pool.shutdown(wait=False)
+
+    def finish(self) -> None:
+        """Raise an EngineError naming the first file whose sha256 does not match; mark the engine verified."""
+        for name, record in self.files.items():
+            actual = self.digests[name].hexdigest() if name in self.digests else self._hashed[name].result()
+            if actual != record["sha256"]:
+                raise EngineError(f"engine file {name} is corrupt: sha256 mismatch; {AGAIN}")
+        mark_verified(self.model_dir, self.files)
 
 
 def mark_verified(model_dir: Path, files: dict[str, Any]) -> None:

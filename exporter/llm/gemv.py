@@ -4,6 +4,10 @@ A batch-1 decode step is the weights read once: each linear layer is a matrix-ve
 weight bytes over memory bandwidth. On CUDA a Triton kernel streams the weight rows (autotuned per shape); the
 first call of each weight shape times it against cuBLAS and keeps the faster, so it can only help (`fastest`, which
 the quantized products in `exporter.llm.quant` use too). Other shapes, devices and row counts use `F.linear`.
+
+The choices made, and the results of the autotuned kernels registered in `TUNED`, are what
+`exporter.engine.kernel_cache` keeps per engine and GPU: `remember` hands back the choices of an earlier run, so a
+restart times nothing it timed before.
 """
 
 from __future__ import annotations
@@ -22,6 +26,10 @@ except ImportError:  # no Triton (CPU-only installs): F.linear everywhere
 
 # key -> the name of the candidate that was fastest for it on this device
 _CHOICES: dict[tuple, str] = {}
+# key_text(key) -> candidate, chosen by an earlier run on this GPU and software (`remember`)
+_KNOWN: dict[str, str] = {}
+# name -> a `triton.autotune`d kernel whose choices (its `cache`) are kept with the others
+TUNED: dict[str, object] = {}
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -40,17 +48,44 @@ def fastest(key: tuple, candidates: Mapping[str, Callable[[], Tensor]], default:
     may be timed, runs `default`."""
     choice = _CHOICES.get(key)
     if choice is None:
-        if torch.cuda.is_current_stream_capturing():
+        known = _KNOWN.get(key_text(key))
+        if known in candidates:
+            choice = _CHOICES[key] = known
+        elif torch.cuda.is_current_stream_capturing():
             return candidates[default]()
-        times = {name: triton.testing.do_bench(run, warmup=10, rep=40) for name, run in candidates.items()}
-        choice = _CHOICES[key] = min(times, key=times.__getitem__)
+        else:
+            times = {name: _measure(run) for name, run in candidates.items()}
+            choice = _CHOICES[key] = min(times, key=times.__getitem__)
     return candidates[choice]()
 
 
-def choices() -> dict[str, str]:
+def _measure(run: Callable[[], Tensor]) -> float:
+    """Milliseconds one run takes on the GPU."""
+    return triton.testing.do_bench(run, warmup=10, rep=40)
+
+
+def key_text(key: tuple) -> str:
+    """A choice's key as text (`"4096 11008 torch.bfloat16"`), the form reports and the kernel cache use."""
+    return " ".join(map(str, key))
+
+
+def choices(remembered: bool = False) -> dict[str, str]:
     """Which candidate each key (weight shape and dtype, and for quantized weights the method and row bucket)
-    uses, for reports."""
-    return {" ".join(map(str, key)): name for key, name in _CHOICES.items()}
+    uses, for reports; with `remembered`, also the choices handed to `remember` that this run did not use."""
+    made = {key_text(key): name for key, name in list(_CHOICES.items())}  # a snapshot: another thread may add
+    return {**_KNOWN, **made} if remembered else made
+
+
+def remember(saved: Mapping[str, str]) -> None:
+    """Take `saved` (`choices()` of an earlier run on the same GPU and software) as made: those keys are not
+    timed again (a name that is not among a key's candidates is ignored, and that key timed)."""
+    _KNOWN.update(saved)
+
+
+def register_tuned(name: str, kernel):
+    """Add a `triton.autotune`d kernel to `TUNED` (its choices are kept by the kernel cache); returns it."""
+    TUNED[name] = kernel
+    return kernel
 
 
 def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -83,7 +118,7 @@ if triton is not None:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_ok)
 
-    _tuned_gemv_kernel = triton.autotune(
+    _tuned_gemv_kernel = register_tuned("gemv", triton.autotune(
         configs=[
             triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
             for n, k, warps, stages in (
@@ -92,4 +127,4 @@ if triton is not None:
             )
         ],
         key=["N", "K"],
-    )(_gemv_kernel)
+    )(_gemv_kernel))

@@ -14,6 +14,8 @@ import os
 import torch
 from torch import Tensor
 
+from .gemv import register_tuned
+
 try:
     import triton
     import triton.language as tl
@@ -89,7 +91,7 @@ if triton is not None:
                                     (128, 128, 8, 3), (16, 256, 4, 4))
     ]
     # The interpreter (TRITON_INTERPRET=1, CPU checks) cannot time configurations: it runs the first.
-    _tuned_kernel = triton.autotune(
+    _tuned_kernel = register_tuned("moe_grouped", triton.autotune(
         configs=_CONFIGS[:1] if os.environ.get("TRITON_INTERPRET") == "1" else _CONFIGS,
         key=["N", "K", "BLOCK_M"],
-    )(_grouped_matmul_kernel)
+    )(_grouped_matmul_kernel))

@@ -1,10 +1,10 @@
-"""Decode steps, prefills and encoder calls at fixed shapes, replayed as CUDA graphs on the GPU (eager elsewhere).
+"""Model steps and encoder calls at fixed shapes, replayed as CUDA graphs on the GPU (eager elsewhere).
 
 A CUDA graph replays a whole captured call with one launch, removing the per-kernel launch cost (and the Python
 that issues each kernel) that dominates small-batch decoding and the prefill of one prompt. Shapes must be static,
 so inputs are copied into preallocated buffers and a call runs at the smallest captured size ("bucket") that holds
-it: batch sizes for the decoder step and the encoder, padded lengths for a prefill. Padding rows and positions
-compute on filler and are dropped.
+it: batch sizes for the decode rows and the encoder, padded token counts for a chunk of prompt pieces. Padding rows
+and positions compute on filler (writing to the KV cache's null block) and are dropped.
 """
 
 from __future__ import annotations
@@ -16,12 +16,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..llm.model import Decoder, KVCache
+from ..llm.model import Decoder
+from ..llm.paged_attention import Chunk, PagedBatch, PagedKVCache
+from ..llm.paged_triton import CHUNK_TILE
 from ..llm.sampling import PARENT, POSITION, TOKEN, TokenChooser, host_to_device
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-KV_ALIGNMENT = 64  # cache lengths, attended spans and padded prompts are multiples of this
-SHORTEST_KV_BUCKET = 128
+SHORTEST_CHUNK = 32  # the smallest padded chunk of prompt tokens
+MAX_PIECES = 16  # prompt pieces one captured step prefills at most (more run eagerly)
+MAX_SPLITS = 16
 
 
 def bucket_sizes(limit: int) -> list[int]:
@@ -29,19 +32,21 @@ def bucket_sizes(limit: int) -> list[int]:
     return sorted({b for b in BUCKETS if b < limit} | {limit})
 
 
-def kv_bucket_sizes(cache_len: int) -> list[int]:
-    """The attended cache spans a decode step is captured for: powers of two from 128 below ``cache_len``, and
-    ``cache_len``; a step attends only to the shortest span holding every row's position."""
-    spans, span = {cache_len}, SHORTEST_KV_BUCKET
-    while span < cache_len:
-        spans.add(span)
-        span *= 2
-    return sorted(spans)
+def chunk_bucket_sizes(limit: int) -> list[int]:
+    """The padded chunk sizes a step is captured for: powers of two from 32 below ``limit``, and ``limit``."""
+    sizes, size = {limit}, SHORTEST_CHUNK
+    while size < limit:
+        sizes.add(size)
+        size *= 2
+    return sorted(sizes)
 
 
-def aligned_cache_len(max_seq_len: int) -> int:
-    """``max_seq_len`` rounded up to a multiple of ``KV_ALIGNMENT``."""
-    return -(-max_seq_len // KV_ALIGNMENT) * KV_ALIGNMENT
+def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
+    """Parts each decode row's positions are cut into: enough (row, KV head, part) programs for two per SM."""
+    if device.type != "cuda":
+        return 1
+    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(MAX_SPLITS, -(-programs // (rows * kv_heads))))
 
 
 def capture(fn: Callable[[], Any], pool: tuple) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -137,169 +142,256 @@ class LaunchedStep:
         return self.next_tokens.tolist(), self.candidate_values.tolist(), self.candidate_ids.tolist()
 
 
-class DecodeStep:
-    """One decode step for cache rows ``[0, n)`` with every row's next token chosen on the device.
+@dataclass
+class Piece:
+    """A run of one prompt's positions to prefill: embeddings ``[n, H]`` at positions ``[start, start + n)`` of a
+    row whose block table is ``blocks`` (covering them), computed with LoRA slot ``adapter`` (0: none)."""
 
-    Each row's input token and position are the ``TokenChooser``'s state: a step reads them and leaves there the
-    row's next token and position (``TokenChooser.choose``), so steps can be queued back to back before the host has
-    read any of them. ``launch`` with tokens and positions sets them from the host instead (rows ``[0, n)`` active).
-    Beam rows given to ``launch`` first copy their parent rows' cache. Rows are masked past their own position. With
-    a LoRA bank on the model, each row decodes with its adapter slot (``set_adapters``, a static device tensor), and
-    a step without adapter rows skips the LoRA products. On CUDA a step is a graph captured per (row bucket,
-    attended span: the shortest ``kv_bucket_sizes`` span holding ``furthest``, full or argmax-only choice, LoRA or
-    not); elsewhere it runs eagerly.
+    embeds: Tensor
+    start: int
+    blocks: Sequence[int]
+    adapter: int = 0
+
+
+class ForwardStep:
+    """One forward over decode rows ``[0, rows)`` and a chunk of prompt pieces, with the rows' next tokens chosen
+    on the device; returns the decode rows' launched choice and the logits after each piece's last position.
+
+    A decode row's input token and position are the ``TokenChooser``'s state: the step reads them and leaves there
+    the row's next token and position (``TokenChooser.choose``), so steps can be queued back to back before the host
+    has read any of them. ``launch`` with tokens and positions sets them from the host instead. Row ``r`` reads and
+    writes the blocks of ``tables[r]`` (an idle row's: the null block). Beam rows given to ``launch`` first copy
+    their parent rows' blocks. With a LoRA bank on the model, each decode row runs with its adapter slot
+    (``set_adapters``, a static device tensor) and each piece with its own; a step without adapters skips the LoRA
+    products. On CUDA a step is a graph captured per (row bucket, chunk bucket, full or argmax-only choice, LoRA or
+    not) with the block tables, the chooser's state and the chunk's buffers as its inputs; a chunk of more than
+    ``MAX_PIECES`` pieces or ``max_chunk`` tokens, and every step elsewhere, runs eagerly.
     """
 
-    def __init__(self, model: Decoder, cache: KVCache, use_cuda_graphs: bool | None = None,
-                 chooser: TokenChooser | None = None):
+    def __init__(self, model: Decoder, cache: PagedKVCache, tables: Tensor, chooser: TokenChooser, *,
+                 max_chunk: int, use_cuda_graphs: bool | None = None):
         self.model = model
         self.cache = cache
+        self.tables = tables
+        self.chooser = chooser
         device = model.device
         self.enabled = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs and device.type == "cuda"
-        slots = cache.stop - cache.start
-        self.chooser = chooser or TokenChooser(slots, model.config.vocab_size, device)
-        self.buckets = bucket_sizes(slots)
-        self.spans = kv_bucket_sizes(cache.max_seq_len)
+        self.buckets = bucket_sizes(tables.shape[0])
+        self.chunk_buckets = chunk_bucket_sizes(max_chunk)
+        self.splits = {rows: decode_splits(rows, model.config.num_query_groups, device) for rows in self.buckets}
         self.graphs: dict[tuple[int, int, bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        self.adapters = None if model.lora is None else torch.zeros(slots, dtype=torch.long, device=device)
+        self.adapters = None if model.lora is None else torch.zeros(tables.shape[0], dtype=torch.long, device=device)
         if self.enabled:
             self.pool = torch.cuda.graph_pool_handle()
+            longest = self.chunk_buckets[-1]
+            self.embeds = torch.zeros(longest, model.config.hidden_size, dtype=model.dtype, device=device)
+            self.longs = torch.zeros(_LONG_FIELDS * longest + MAX_PIECES, dtype=torch.long, device=device)
+            self.ints = torch.zeros(4 * _tile_capacity(longest) + MAX_PIECES * tables.shape[1],
+                                    dtype=torch.int32, device=device)
 
     def set_adapters(self, first: int, slots: Sequence[int]) -> None:
         """Rows ``[first, first + len(slots))`` decode with these LoRA slots (the model has a LoRA bank)."""
         self.adapters[first:first + len(slots)].copy_(host_to_device(slots, torch.long, self.adapters.device))
 
-    def launch(self, rows: int, furthest: int, tokens: Sequence[int] | None = None,
-               positions: Sequence[int] | None = None, *, full: bool = False,
-               beam_rows: Tensor | None = None, beams_from: int = 0, lora: bool = True) -> LaunchedStep:
-        """Queue a step for rows ``[0, rows)`` whose positions are all below ``furthest``.
+    def launch(self, rows: int, furthest: int, pieces: Sequence[Piece] = (), tokens: Sequence[int] | None = None,
+               positions: Sequence[int] | None = None, *, full: bool = False, beam_rows: Tensor | None = None,
+               beams_from: int = 0, lora: bool = True) -> tuple[LaunchedStep | None, Tensor | None]:
+        """Queue a step for decode rows ``[0, rows)``, whose positions are all below ``furthest``, and ``pieces``.
 
         ``tokens`` and ``positions`` (one per row) replace the chooser's; ``full`` runs penalties, sampling and beam
-        search (else an argmax); ``beam_rows`` (a device tensor) are the rows that first copy their parent's cache
-        from position ``beams_from`` on (where beams of one prompt start to differ); ``lora``: some row has a LoRA
-        adapter (else the step skips the LoRA products).
+        search (else an argmax); ``beam_rows`` (a device tensor) are the rows that first copy their parent's blocks
+        from position ``beams_from`` on (where beams of one prompt start to differ); ``lora``: some row or piece has
+        a LoRA adapter (else the step skips the LoRA products). Returns the decode rows' launched choice (None
+        without rows) and the logits after each piece's last position ``[len(pieces), V]`` (None without pieces;
+        valid until the next launch).
         """
-        span = next(s for s in self.spans if s >= furthest)
         if tokens is not None:
             self.chooser.place(tokens, positions)
         if beam_rows is not None:
-            self.cache.copy_rows_(beam_rows, self.chooser.ints[PARENT, beam_rows], beams_from, furthest)
+            self._copy_beam_blocks(beam_rows, beams_from, furthest)
+        tokens_in_chunk = sum(len(piece.embeds) for piece in pieces)
+        full = full and rows > 0
         lora = lora and self.adapters is not None
-        if not self.enabled:
-            logits = self._compute(rows, span, full, lora)
+        if not self.enabled or len(pieces) > MAX_PIECES or tokens_in_chunk > self.chunk_buckets[-1]:
+            chunk = self._chunk(pieces, tokens_in_chunk) if pieces else None
+            logits = self._compute(rows, chunk, full, furthest, lora)
+            decoded = rows
         else:
-            bucket = next(b for b in self.buckets if b >= rows)
-            if (bucket, span, full, lora) not in self.graphs:
-                self._capture(bucket, span, full, lora)
-            graph, logits = self.graphs[(bucket, span, full, lora)]
+            decoded = next(b for b in self.buckets if b >= rows) if rows else 0
+            padded = next(c for c in self.chunk_buckets if c >= tokens_in_chunk) if pieces else 0
+            if pieces:
+                self._fill(pieces, padded)
+            key = (decoded, padded, full, lora)
+            if key not in self.graphs:
+                self._capture(*key)
+            graph, logits = self.graphs[key]
             graph.replay()
-            logits = logits[:rows]
-        return LaunchedStep.read_back(self.chooser, 0, logits, full and beam_rows is not None)
+        launched = (LaunchedStep.read_back(self.chooser, 0, logits[:rows], full and beam_rows is not None)
+                    if rows else None)
+        return launched, logits[decoded: decoded + len(pieces)] if pieces else None
 
     def capture_all(self) -> None:
-        """Capture every (row bucket, span, choice, LoRA) graph now, so no request waits for one later (before any
-        request: the captures run steps on the rows)."""
-        for bucket in self.buckets if self.enabled else ():
-            for span in self.spans:
-                for full in (False, True):
+        """Capture every (row bucket, chunk bucket, choice, LoRA) graph now, so no request waits for one later
+        (before any request: the captures run steps on the rows)."""
+        for rows in [0, *self.buckets] if self.enabled else ():
+            for padded in [0, *self.chunk_buckets]:
+                for full in ((False, True) if rows else (False,)):
                     for lora in (False, True) if self.adapters is not None else (False,):
-                        if (bucket, span, full, lora) not in self.graphs:
-                            self._capture(bucket, span, full, lora)
+                        if (rows or padded) and (rows, padded, full, lora) not in self.graphs:
+                            self._capture(rows, padded, full, lora)
 
     @property
     def graph_count(self) -> int:
         return len(self.graphs)
 
-    def _capture(self, bucket: int, span: int, full: bool, lora: bool) -> None:
+    def _copy_beam_blocks(self, beam_rows: Tensor, beams_from: int, furthest: int) -> None:
+        size = self.cache.block_size
+        first, stop = beams_from // size, min(-(-furthest // size), self.tables.shape[1])
+        if stop > first:
+            parents = self.chooser.ints[PARENT, beam_rows]
+            self.cache.copy_blocks_(self.tables[beam_rows, first:stop].flatten().long(),
+                                    self.tables[parents, first:stop].flatten().long())
+
+    def _capture(self, rows: int, padded: int, full: bool, lora: bool) -> None:
         # Capturing runs the step from the current state (writing each row's cache at its own position, as the
         # step will, and past it, where the next steps write): keep the state as it was.
         saved = self.chooser.snapshot()
-        self.graphs[(bucket, span, full, lora)] = capture(lambda: self._compute(bucket, span, full, lora), self.pool)
+        chunk = self._static_chunk(padded) if padded else None
+        self.graphs[(rows, padded, full, lora)] = capture(lambda: self._compute(rows, chunk, full, 0, lora),
+                                                          self.pool)
         self.chooser.restore(saved)
 
-    def _compute(self, rows: int, span: int, full: bool, lora: bool = False) -> Tensor:
+    def _compute(self, rows: int, chunk: _ChunkInputs | None, full: bool, span: int, lora: bool = False) -> Tensor:
+        """Logits of the decode rows ``[rows, V]`` then of each piece's last position, the rows' tokens chosen.
+        The batch's tokens go through the model one per row (``[N, 1, H]``), so each has its own LoRA slot."""
         state = self.chooser.ints
-        tokens, positions = state[TOKEN, :rows], state[POSITION, :rows, None]
-        view = self.cache.rows(0, rows)
-        adapters = self.adapters[:rows] if lora else None
-        logits = self.model(self.model.embed(tokens)[:, None], positions, view, kv_len=span, adapters=adapters)[:, 0]
-        self.chooser.choose(logits, 0, full)
+        embeds, positions, adapters = [], [], []
+        if rows:
+            embeds.append(self.model.embed(state[TOKEN, :rows]))
+            positions.append(state[POSITION, :rows])
+            adapters.append(self.adapters[:rows] if lora else None)
+        output_index = None
+        if chunk is not None:
+            embeds.append(chunk.embeds)
+            positions.append(chunk.positions)
+            adapters.append(chunk.adapters)
+            output_index = torch.cat([torch.arange(rows, device=chunk.outputs.device), rows + chunk.outputs])
+        batch = PagedBatch(self.cache, rows, self.tables, state[POSITION, :rows], span,
+                           self.splits.get(rows, 1), None if chunk is None else chunk.chunk)
+        logits = self.model(torch.cat(embeds)[:, None], torch.cat(positions)[:, None], batch,
+                            output_index=output_index, adapters=torch.cat(adapters) if lora else None)[:, 0]
+        if rows:
+            self.chooser.choose(logits[:rows], 0, full)
         return logits
 
+    def _chunk(self, pieces: Sequence[Piece], tokens: int) -> _ChunkInputs:
+        """The chunk's inputs on the device at exactly its size (eager steps)."""
+        device = self.model.device
+        tiles = _tile_count(pieces)
+        longs, ints, described = _describe(pieces, tokens, len(pieces), tiles, self.tables.shape[1],
+                                           self.cache.block_size)
+        embeds = torch.cat([piece.embeds for piece in pieces]).to(self.model.dtype)
+        return _views(longs.to(device), ints.to(device), embeds, tokens, len(pieces), tiles, self.tables.shape[1],
+                      described)
 
-def prefill_bucket(length: int) -> int:
-    """The padded length a prompt of ``length`` positions is prefilled at on CUDA (multiples of 64 up to 1024,
-    then of 256)."""
-    step = KV_ALIGNMENT if length <= 1024 else 256
-    return -(-length // step) * step
+    def _fill(self, pieces: Sequence[Piece], padded: int) -> None:
+        """Copy the pieces and their metadata into the static buffers, laid out for chunk bucket ``padded``."""
+        longs, ints, _ = _describe(pieces, padded, MAX_PIECES, _tile_capacity(padded), self.tables.shape[1],
+                                   self.cache.block_size)
+        self.longs[: len(longs)].copy_(longs.pin_memory(), non_blocking=True)
+        self.ints[: len(ints)].copy_(ints.pin_memory(), non_blocking=True)
+        start = 0
+        for piece in pieces:
+            self.embeds[start: start + len(piece.embeds)].copy_(piece.embeds, non_blocking=True)
+            start += len(piece.embeds)
+
+    def _static_chunk(self, padded: int) -> _ChunkInputs:
+        """Views of the static buffers as chunk bucket ``padded`` lays them out (what its graph reads)."""
+        return _views(self.longs, self.ints, self.embeds[:padded], padded, MAX_PIECES, _tile_capacity(padded),
+                      self.tables.shape[1], ())
 
 
-class PrefillStep:
-    """Fresh prompts into consecutive cache rows; returns the float32 logits after each prompt's last position.
+@dataclass
+class _ChunkInputs:
+    """A chunk's attention metadata and its per-token inputs: embeddings, positions, LoRA slots, and the index of
+    each piece's last token."""
 
-    On CUDA, a lone prompt runs as a graph captured per padded length (``prefill_bucket``) into a one-row scratch
-    cache whose filled positions are then copied into its row: no Python issues the prefill's kernels one by one.
-    Several prompts at once run eagerly, right-padded, as one batch, straight into their rows. With a LoRA bank on
-    the model, each prompt runs with its adapter slot.
-    """
+    chunk: Chunk
+    embeds: Tensor
+    positions: Tensor
+    adapters: Tensor
+    outputs: Tensor
 
-    def __init__(self, model: Decoder, cache: KVCache, use_cuda_graphs: bool | None = None):
-        self.model = model
-        self.cache = cache
-        device = model.device
-        self.enabled = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs and device.type == "cuda"
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        if self.enabled:
-            longest = cache.max_seq_len
-            self.scratch = model.new_kv_cache(1, longest)
-            self.embeds = torch.zeros(1, longest, model.config.hidden_size, dtype=model.dtype, device=device)
-            self.last = torch.zeros(1, dtype=torch.long, device=device)
-            self.adapter = None if model.lora is None else torch.zeros(1, dtype=torch.long, device=device)
-            self.pool = torch.cuda.graph_pool_handle()
 
-    def __call__(self, prompts: Sequence[Tensor], first_row: int, adapters: Sequence[int] | None = None) -> Tensor:
-        """The prompts into rows ``first_row, ...``; ``adapters``: each prompt's LoRA slot (default none)."""
-        adapters = list(adapters) if adapters is not None else [0] * len(prompts)
-        if self.enabled and len(prompts) == 1 and prefill_bucket(len(prompts[0])) <= self.cache.max_seq_len:
-            return self._graphed(prompts[0], first_row, adapters[0])
-        return self._batched(prompts, first_row, adapters)
+_LONG_FIELDS = 4  # per-token int64 fields of a chunk's metadata: positions, blocks, offsets, LoRA slots
 
-    def capture_all(self) -> None:
-        """Capture the graph of every padded length now."""
-        length = KV_ALIGNMENT
-        while self.enabled and length <= self.cache.max_seq_len:
-            if length not in self.graphs:
-                self._capture(length)
-            length = prefill_bucket(length + 1)
 
-    def _graphed(self, prompt: Tensor, row: int, adapter: int) -> Tensor:
-        length = len(prompt)
-        bucket = prefill_bucket(length)
-        self.embeds[0, :length].copy_(prompt, non_blocking=True)
-        self.last.fill_(length - 1)
-        if self.adapter is not None:
-            self.adapter.fill_(adapter)
-        if bucket not in self.graphs:
-            self._capture(bucket)
-        graph, logits = self.graphs[bucket]
-        graph.replay()
-        target = self.cache.data[:, :, self.cache.start + row, :length]
-        target.copy_(self.scratch.data[:, :, 0, :length])
-        return logits[:, 0].float()
+def _views(longs: Tensor, ints: Tensor, embeds: Tensor, tokens: int, sequences: int, tiles: int, width: int,
+           described: tuple[tuple[int, int, int], ...]) -> _ChunkInputs:
+    """The chunk's inputs from buffers laid out as ``_describe`` does."""
+    positions, blocks, offsets, adapters = (longs[field * tokens: (field + 1) * tokens] for field in range(4))
+    chunk = Chunk(tables=ints[4 * tiles: 4 * tiles + sequences * width].view(sequences, width), blocks=blocks,
+                  offsets=offsets, tiles=ints[: 4 * tiles].view(tiles, 4), sequences=described)
+    end = _LONG_FIELDS * tokens
+    return _ChunkInputs(chunk, embeds, positions, adapters, longs[end: end + sequences])
 
-    def _capture(self, bucket: int) -> None:
-        embeds = self.embeds[:, :bucket]
-        self.graphs[bucket] = capture(lambda: self.model(embeds, kv_cache=self.scratch, output_index=self.last,
-                                                         adapters=self.adapter), self.pool)
 
-    def _batched(self, prompts: Sequence[Tensor], first_row: int, adapters: Sequence[int]) -> Tensor:
-        model = self.model
-        lengths = [len(prompt) for prompt in prompts]
-        padded = torch.zeros(len(prompts), max(lengths), model.config.hidden_size, dtype=model.dtype,
-                             device=model.device)
-        for row, prompt in enumerate(prompts):
-            padded[row, : lengths[row]] = prompt.to(padded)
-        rows = self.cache.rows(first_row, first_row + len(prompts))
-        last = host_to_device(lengths, torch.long, model.device) - 1
-        slots = host_to_device(adapters, torch.long, model.device) if any(adapters) else None
-        return model(padded, kv_cache=rows, output_index=last, adapters=slots)[:, 0].float()
+def _tile_count(pieces: Sequence[Piece]) -> int:
+    return sum(-(-len(piece.embeds) // CHUNK_TILE) for piece in pieces)
+
+
+def _tile_capacity(tokens: int) -> int:
+    """Tiles enough for any ``MAX_PIECES`` pieces of ``tokens`` tokens in all."""
+    return -(-tokens // CHUNK_TILE) + MAX_PIECES
+
+
+def _describe(pieces: Sequence[Piece], tokens: int, sequences: int, tiles: int, width: int,
+              block_size: int) -> tuple[Tensor, Tensor, tuple[tuple[int, int, int], ...]]:
+    """The chunk's metadata on the host, padded to ``tokens`` tokens, ``sequences`` pieces and ``tiles`` tiles:
+    int64 ``[positions | blocks | offsets | LoRA slots (tokens each) | last token of each piece (sequences)]`` and
+    int32 ``[tiles x (piece or -1, first, count, start) | block tables (sequences x width)]``; and per piece
+    ``(first, count, start)``."""
+    positions = torch.zeros(tokens, dtype=torch.long)
+    blocks = torch.zeros(tokens, dtype=torch.long)
+    adapters = torch.zeros(tokens, dtype=torch.long)
+    outputs = torch.zeros(sequences, dtype=torch.long)
+    tile_rows = torch.full((tiles, 4), -1, dtype=torch.int32)
+    tables = torch.zeros(sequences, width, dtype=torch.int32)
+    described = []
+    first = tile = 0
+    for index, piece in enumerate(pieces):
+        count = len(piece.embeds)
+        table = torch.tensor(piece.blocks, dtype=torch.long)
+        span = torch.arange(piece.start, piece.start + count)
+        positions[first: first + count] = span
+        blocks[first: first + count] = table[span // block_size]
+        adapters[first: first + count] = piece.adapter
+        outputs[index] = first + count - 1
+        tables[index, : len(table)] = table.to(torch.int32)
+        for offset in range(0, count, CHUNK_TILE):
+            tile_rows[tile] = torch.tensor([index, first + offset, min(CHUNK_TILE, count - offset),
+                                            piece.start + offset], dtype=torch.int32)
+            tile += 1
+        described.append((first, count, piece.start))
+        first += count
+    longs = torch.cat([positions, blocks, positions % block_size, adapters, outputs])
+    return longs, torch.cat([tile_rows.flatten(), tables.flatten()]), tuple(described)
+
+
+def activation_bytes(model: Decoder, rows: int, chunk_tokens: int, max_beam_width: int) -> int:
+    """The memory one eager step of ``rows`` decode rows and a ``chunk_tokens`` prompt chunk allocates at its peak,
+    the full token choice included (CUDA; measured on a two-block cache, before the real one is sized)."""
+    device = model.device
+    cache = model.new_paged_kv_cache(2, SHORTEST_CHUNK)
+    pages = -(-chunk_tokens // SHORTEST_CHUNK)
+    tables = torch.ones(rows, pages, dtype=torch.int32, device=device)
+    chooser = TokenChooser(rows, model.config.vocab_size, device, max_beam_width)
+    step = ForwardStep(model, cache, tables, chooser, max_chunk=chunk_tokens, use_cuda_graphs=False)
+    embeds = torch.zeros(chunk_tokens, model.config.hidden_size, dtype=model.dtype, device=device)
+    piece = Piece(embeds, 0, [1] * pages)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    step.launch(rows, 1, [piece], full=True)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base

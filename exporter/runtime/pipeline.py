@@ -19,6 +19,7 @@ from ..engine import Engine
 from ..llm.generate import SamplingParams
 from ..models import PromptLayout
 from .feature_cache import FeatureCache, media_key
+from .kv_cache import KVCacheOptions
 from .scheduler import Handle, Scheduler
 
 
@@ -46,11 +47,13 @@ class Completion:
 
 @dataclass
 class _Prepared:
-    """A request turned into LLM input: embeddings, the ids behind them, its parameters with the template's stops."""
+    """A request turned into LLM input: embeddings, the ids behind them, its parameters with the template's stops,
+    and what each position holds (for prefix reuse)."""
 
     embeds: torch.Tensor
     layout: PromptLayout
     params: SamplingParams
+    prefix: list
     lora_uid: str | None
 
 
@@ -59,11 +62,14 @@ class Pipeline:
 
     ``run`` returns, per request, its :class:`Completion` or the exception that request alone raised; a bad request
     never fails the others. ``stream`` yields one request's text as it is generated. Media already encoded are
-    taken from ``feature_cache``. Each function in ``submitted`` is called with every request's scheduler handle as
-    it is submitted (the server's metrics time requests by them).
+    taken from ``feature_cache``. ``kv_cache`` and ``max_num_tokens`` configure the scheduler's KV cache and
+    chunked prefill (see :class:`Scheduler`); a prompt that starts like an earlier one (same token ids, same media
+    by content) reuses its cached blocks. Each function in ``submitted`` is called with every request's scheduler
+    handle as it is submitted (the server's metrics time requests by them).
     """
 
-    def __init__(self, engine: Engine, feature_cache: FeatureCache | None = None):
+    def __init__(self, engine: Engine, feature_cache: FeatureCache | None = None,
+                 kv_cache: KVCacheOptions | None = None, max_num_tokens: int | None = None):
         self.engine = engine
         self.feature_cache = feature_cache if feature_cache is not None else FeatureCache()
         limits = engine.limits
@@ -73,7 +79,8 @@ class Pipeline:
         self.scheduler = Scheduler(engine.decoder, max_slots=limits.max_batch_size,
                                    max_seq_len=limits.max_input_len + limits.max_output_len,
                                    eos_id=tokenizer.eos_id, tokenizer=tokenizer,
-                                   max_beam_width=limits.max_beam_width)
+                                   max_beam_width=limits.max_beam_width, kv_cache=kv_cache,
+                                   max_num_tokens=max_num_tokens)
         if engine.decoder.device.type == "cuda":
             self.scheduler.warm_up()  # compile and capture before the first request, not during it
         self.scheduler.start()
@@ -149,14 +156,16 @@ class Pipeline:
                 self.engine.limits.check_request(layout.length, media_len, request.params.max_output_len)
                 params = replace(request.params,
                                  stop_token_ids=tuple({*request.params.stop_token_ids, *self.stop_token_ids}))
-                results[i] = _Prepared(self._embed(layout), layout, params, request.lora_uid)
+                keys = [item.key for item in media_items[i]]
+                results[i] = _Prepared(self._embed(layout), layout, params, prompt_prefix(layout, keys),
+                                       request.lora_uid)
             except Exception as error:  # noqa: BLE001 - reported per request
                 results[i] = error
         return results  # type: ignore[return-value]
 
     def _submit(self, prepared: _Prepared, on_token=None) -> Handle:
         handle = self.scheduler.submit(prepared.embeds, prepared.layout.token_ids(), prepared.params, on_token,
-                                       prepared.lora_uid)
+                                       prepared.lora_uid, prefix=prepared.prefix)
         for observe in self.submitted:
             observe(handle)
         return handle
@@ -205,6 +214,22 @@ class Pipeline:
     def _completion(self, token_lists: list[list[int]], layout: PromptLayout) -> Completion:
         texts = [self.engine.tokenizer.decode(tokens).strip() for tokens in token_lists]
         return Completion(texts, token_lists, layout.length)
+
+
+def prompt_prefix(layout: PromptLayout, media_keys: list[str | None]) -> list:
+    """What each prompt position holds: its token id, or for the j-th feature block (a function of the request's
+    media, which the keys name by content) the media keys, j and the offset; None after media without a key."""
+    prefix: list = []
+    known = all(key is not None for key in media_keys)
+    blocks = 0
+    for piece in layout.pieces:
+        if isinstance(piece, list):
+            prefix.extend(piece)
+        else:
+            length = int(piece.shape[0])
+            prefix.extend((tuple(media_keys), blocks, offset) if known else None for offset in range(length))
+            blocks += 1
+    return prefix
 
 
 @dataclass

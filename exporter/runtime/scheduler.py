@@ -1,18 +1,24 @@
 """In-flight batching: requests join and leave a running decode batch between steps.
 
-The KV cache has a fixed number of rows. A request takes one row, a beam search of ``num_beams`` beams as many
-consecutive rows; rows are handed out lowest first, and a request waits until rows for it are free. Each iteration
-(``step``) admits waiting requests (their prompts prefilled together, a beam search's once, and their first tokens
-chosen), queues one decode step for every occupied row, and then reads back what was queued before it: each request
-takes its token (a beam search its candidates), streams it and finishes, freeing its rows at once. A step covers
-rows ``[0, bucket)``, the smallest captured batch size that holds every occupied row, so on CUDA each step replays a
-CUDA graph (see ``cuda_graphs``).
+A request takes one row of the decode batch (a beam search of ``num_beams`` beams as many consecutive rows; at
+most ``max_slots`` rows run) and the KV-cache blocks its prompt and ``max_output_len`` new tokens need, reserved at
+admission (``kv_cache``: no request is ever preempted or runs out of cache). Requests are admitted first come
+first served while rows and blocks are free; the others wait. A prompt whose leading blocks another request
+already computed (same token ids and media, see ``prefix``) takes those blocks instead of computing them.
+
+Each iteration (``step``) admits waiting requests, queues one forward that holds a decode token for every
+decoding row and a chunk of the admitted prompts (at most ``max_num_tokens`` prompt positions, so a long prompt
+is prefilled over several steps while the others keep decoding), chooses the first tokens of the prompts that
+chunk completed, and then reads back what the iteration before queued: each request takes its token (a beam search
+its candidates), streams it and finishes, releasing its rows and blocks at once. The decode rows of a step are
+``[0, bucket)``, the smallest captured batch size that holds every decoding row, so on CUDA each step replays a CUDA
+graph (see ``cuda_graphs``).
 
 Every row's next token is chosen on the device (``exporter.llm.sampling``: greedy, sampled and beam rows alike), so
 the next step is always queued before the host reads the current one and the device does not wait for the host's
 bookkeeping. A request that ends meanwhile has one extra step computed and dropped. The device cannot read text:
-when a stop string ends a beam that the device continued, the host rebuilds that search's rows (their cache from
-the prompt and each beam) and the search skips the step queued meanwhile.
+when a stop string ends a beam that the device continued, the host rebuilds that search's rows (each beam's tokens
+computed again after the prompt) and the search skips the step queued meanwhile.
 """
 
 from __future__ import annotations
@@ -25,17 +31,19 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from ..llm.config import DecoderConfig
 from ..llm.generate import Answer, BeamSearch, SamplingParams, check_requests
 from ..llm.model import Decoder
 from ..llm.sampling import RowSetup, TokenChooser, host_to_device
 from ..llm.tokenizer import Tokenizer
-from .cuda_graphs import DecodeStep, LaunchedStep, PrefillStep, aligned_cache_len
+from .cuda_graphs import MAX_PIECES, ForwardStep, LaunchedStep, Piece, activation_bytes
+from .kv_cache import BlockPool, BlockTables, KVCacheOptions, allocate_cache, prefix_keys
 
 TokenCallback = Callable[[int], None]
 
@@ -61,6 +69,7 @@ class Handle:
     submitted_at: float = field(default_factory=time.monotonic)  # time.monotonic() of each milestone
     first_token_at: float | None = None
     finished_at: float | None = None
+    block_keys: list[bytes] = field(default_factory=list)  # prefix keys of the prompt's full blocks (for reuse)
     _finished: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -101,23 +110,44 @@ class Handle:
 
 @dataclass(frozen=True)
 class SchedulerStats:
-    """Requests waiting for admission, rows decoding, the row cap, and the share of the KV cache in use."""
+    """Requests waiting for admission, rows in use, the row cap, and the KV cache's blocks: the share in use
+    (``kv_used_fraction``), blocks held by requests, blocks kept only for prefix reuse, and the pool's size."""
 
     waiting: int
     running_rows: int
     max_rows: int
     kv_used_fraction: float
+    kv_blocks_used: int = 0
+    kv_blocks_cached: int = 0
+    kv_blocks_total: int = 0
+
+
+@dataclass
+class _Blocks:
+    """A request's blocks: each row's block table, the blocks it holds a reference to, the shared prompt blocks
+    each beam row other than the first copies before writing (copy-on-write), and its prompt's prefix keys."""
+
+    tables: list[list[int]]
+    held: list[int]
+    copies: list[tuple[int, int]]  # (target, source)
+    keys: list[bytes]
+    reused: int  # leading prompt blocks taken from the prefix index
 
 
 @dataclass(eq=False)
 class _Running:
-    """A request in its rows: how it decodes, and the position of its input token in the next step launched."""
+    """A request in its rows: how it decodes, its blocks, how much of its prompt is computed, and the position of
+    its input token in the next decode step launched."""
 
     handle: Handle
     first_row: int
     search: Answer | BeamSearch
     seed: int
-    position: int
+    blocks: _Blocks
+    prefilled: int  # prompt positions whose keys and values are in the cache (reused or computed)
+    registered: int  # leading full prompt blocks indexed for reuse
+    position: int = 0
+    decoding: bool = False
     skip_through: int = -1  # launches up to this number ran on state the host has since replaced: not read
 
     @property
@@ -137,47 +167,78 @@ class _Running:
 
 @dataclass
 class _Launched:
-    """Token choices queued on the device (a decode step, or newcomers' first tokens) for these requests."""
+    """Token choices queued on the device (a decode step, or a prompt's first tokens) for these requests, by the
+    iteration ``iteration``."""
 
     number: int
     step: LaunchedStep
     requests: list[_Running]
     decode: bool
+    iteration: int
+
+
+DEFAULT_MAX_NUM_TOKENS = 512
 
 
 class Scheduler:
-    """Shares decode steps among concurrent requests over ``max_slots`` KV-cache rows of ``max_seq_len``.
+    """Shares decode steps among concurrent requests over at most ``max_slots`` rows, each request's prompt plus
+    new tokens at most ``max_seq_len`` positions, in a paged KV cache sized and used as ``kv_cache`` says.
 
     Drive it with ``step()`` from one thread, or ``start()`` a background loop and ``submit`` from any thread.
     Callbacks run on the stepping thread; a callback that raises ends its own request with that error.
-    ``max_beam_width`` is the widest beam search served (at most ``max_slots``). ``decode_steps`` counts the decode
-    steps launched and ``steps_queued_ahead`` those launched while the step before was still unread.
+    ``max_beam_width`` is the widest beam search served (at most ``max_slots``). ``max_num_tokens`` caps the prompt
+    positions one step prefills (weighted by the keys they attend to, see ``chunk_cost``). ``kv_cache_scales``
+    ``[layers, 2, kv_heads]`` sets a float8 cache's scales (default: calibrated on token embeddings).
+    ``decode_steps`` counts the decode steps launched and ``steps_queued_ahead`` those launched while the step
+    before was still unread; ``prefilled_positions`` the prompt positions computed and ``reused_positions`` those
+    taken from other requests' blocks.
     """
 
     def __init__(self, model: Decoder, *, max_slots: int, max_seq_len: int, eos_id: int | None,
-                 tokenizer: Tokenizer | None = None, use_cuda_graphs: bool | None = None, max_beam_width: int = 1):
+                 tokenizer: Tokenizer | None = None, use_cuda_graphs: bool | None = None, max_beam_width: int = 1,
+                 kv_cache: KVCacheOptions | None = None, max_num_tokens: int | None = None,
+                 kv_cache_scales: Tensor | None = None):
         if max_slots < 1 or max_seq_len < 2:
             raise ValueError(f"max_slots ({max_slots}) must be >= 1 and max_seq_len ({max_seq_len}) >= 2")
         if not 1 <= max_beam_width <= max_slots:
             raise ValueError(f"max_beam_width ({max_beam_width}) must be between 1 and max_slots ({max_slots}): "
                              "each beam takes a row")
+        max_num_tokens = DEFAULT_MAX_NUM_TOKENS if max_num_tokens is None else max_num_tokens
+        if max_num_tokens < 1:
+            raise ValueError(f"max_num_tokens must be at least 1, got {max_num_tokens}")
+        options = kv_cache or KVCacheOptions()
+        device = model.device
         self.model = model
         self.max_seq_len = max_seq_len
         self.max_beam_width = max_beam_width
+        self.max_num_tokens = max_num_tokens
         self.eos_id = eos_id
         self.tokenizer = tokenizer
-        # a position of slack: capturing a step graph (on first use) runs the step twice, once past every row's position
-        self.cache = model.new_kv_cache(max_slots, aligned_cache_len(max_seq_len + 1))
+        self.reuse = options.enable_reuse
+        self.block_size = options.block_size
+        # the tables cover the longest request, and a null column: positions past it (a capture runs two steps
+        # past every row's position) write to the null block
+        width = -(-max_seq_len // self.block_size) + 1
+        reserve = 2 * activation_bytes(model, max_slots, max_num_tokens, max_beam_width) if device.type == "cuda" else 0
+        self.cache = allocate_cache(model, options, rows=max_slots, blocks_per_row=width - 1, reserve_bytes=reserve,
+                                    scales=kv_cache_scales)
+        self.pool = BlockPool(self.cache.num_blocks)
+        self.tables = BlockTables(max_slots, width, device)
         self.slots: list[_Running | None] = [None] * max_slots
         self.waiting: deque[Handle] = deque()
-        self.chooser = TokenChooser(max_slots, model.config.vocab_size, model.device, max_beam_width)
-        self.prefill = PrefillStep(model, self.cache, use_cuda_graphs)
-        self.decode = DecodeStep(model, self.cache, use_cuda_graphs, self.chooser)
+        self.prefilling: list[_Running] = []  # admitted, prompt not complete, in admission order
+        self.chooser = TokenChooser(max_slots, model.config.vocab_size, device, max_beam_width)
+        self.forward = ForwardStep(model, self.cache, self.tables.tensor, self.chooser, max_chunk=max_num_tokens,
+                                   use_cuda_graphs=use_cuda_graphs)
+        self.key_equivalent = attention_key_equivalent(model.config)
         self.decode_steps = 0
         self.steps_queued_ahead = 0
+        self.prefilled_positions = 0
+        self.reused_positions = 0
         self._wake = threading.Condition()
         self._inflight: deque[_Launched] = deque()  # queued on the device, not yet read, oldest first
         self._launches = 0
+        self._iteration = 0
         self._beam_rows: tuple[tuple[int, ...], Tensor] | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -185,11 +246,14 @@ class Scheduler:
     # --- submission -------------------------------------------------------------------------------------------
 
     def submit(self, prompt: Tensor, prompt_ids: list[int], params: SamplingParams,
-               on_token: TokenCallback | None = None, lora_uid: str | None = None) -> Handle:
+               on_token: TokenCallback | None = None, lora_uid: str | None = None,
+               prefix: Sequence[Hashable | None] | None = None) -> Handle:
         """Queue one request: ``prompt [T, H]`` embeddings and the ids behind them (-1 at media features).
 
         ``on_token(id)`` is called with each kept token in order (never EOS; one sequence only). ``lora_uid``: the
-        LoRA adapter of the model's bank it decodes with (an unknown one is a ValueError).
+        LoRA adapter of the model's bank it decodes with (an unknown one is a ValueError). ``prefix`` names what
+        each prompt position holds (a token id, or a media item's key and the feature's offset; None where unknown)
+        so that blocks of an identical prefix (and adapter) are shared with other requests; None shares nothing.
         """
         check_requests(self.model, [prompt], [prompt_ids], [params], self.tokenizer)
         if params.num_beams > self.max_beam_width:
@@ -201,7 +265,16 @@ class Scheduler:
         if len(prompt) + params.max_output_len > self.max_seq_len:
             raise ValueError(f"prompt ({len(prompt)}) + max_output_len ({params.max_output_len}) exceeds the "
                              f"scheduler's max_seq_len={self.max_seq_len}; shorten them or raise max_seq_len")
-        handle = Handle(prompt, list(prompt_ids), params, on_token)
+        if prefix is not None and len(prefix) != len(prompt):
+            raise ValueError(f"prefix names {len(prefix)} positions, the prompt has {len(prompt)}")
+        needed = self._blocks_needed(len(prompt), params, reused=0)
+        if needed > self.pool.capacity:
+            raise ValueError(f"the request needs {needed} KV-cache blocks of {self.block_size} positions (prompt "
+                             f"{len(prompt)} + max_output_len {params.max_output_len}, {params.num_beams} beam(s)) "
+                             f"and the whole cache has {self.pool.capacity}; raise kv_cache_free_gpu_mem_fraction "
+                             "(or kv_cache_bytes), or ask for fewer tokens")
+        keys = prefix_keys(prefix, self.block_size, salt=lora_uid or "") if prefix is not None and self.reuse else []
+        handle = Handle(prompt, list(prompt_ids), params, on_token, block_keys=keys)
         if lora_uid is not None:
             bank = self.model.lora
             if bank is None:
@@ -233,11 +306,10 @@ class Scheduler:
         self._fail_all(RequestCancelled("the scheduler stopped"))
 
     def warm_up(self) -> None:
-        """Compile and capture every decode step and lone-prompt prefill now (CUDA), so that no request waits for
-        it (seconds; the graphs share one memory pool each)."""
+        """Compile and capture every step graph now (CUDA), so that no request waits for it (seconds; the graphs
+        share one memory pool)."""
         with torch.inference_mode():
-            self.prefill.capture_all()
-            self.decode.capture_all()
+            self.forward.capture_all()
 
     def _loop(self) -> None:
         while True:
@@ -254,52 +326,73 @@ class Scheduler:
     def _fail_all(self, error: BaseException) -> None:
         self._inflight.clear()
         with self._wake:
-            handles = [*self.waiting, *(request.handle for request in self._requests())]
+            handles = list(self.waiting)
             self.waiting.clear()
-            self.slots = [None] * len(self.slots)
+        for request in self._requests():
+            self._release(request, error, device=False)
+        self.pool.forget()  # a failed step may have left indexed blocks half written
         with contextlib.suppress(Exception):  # a broken device fails the next step again
             self.chooser.release(0, len(self.slots))
+            self.tables.clear(0, len(self.slots))
         for handle in handles:
             handle._finish(error)
 
     def stats(self) -> SchedulerStats:
-        """A snapshot of the queue and the KV cache, for metrics."""
+        """A snapshot of the queue, the rows and the KV cache, for metrics."""
         with self._wake:
             running = sum(slot is not None for slot in self.slots)
+            pool = self.pool
             return SchedulerStats(waiting=len(self.waiting), running_rows=running, max_rows=len(self.slots),
-                                  kv_used_fraction=running / len(self.slots))
+                                  kv_used_fraction=pool.used / pool.capacity, kv_blocks_used=pool.used,
+                                  kv_blocks_cached=len(pool.cached), kv_blocks_total=pool.capacity)
 
     # --- one iteration ----------------------------------------------------------------------------------------
 
     @torch.inference_mode()
     def step(self) -> bool:
-        """Admit, queue one decode step, read back what was queued before it; returns whether work is left."""
+        """Admit, queue one step (decode rows and a prompt chunk), read back what the iteration before queued;
+        returns whether work is left."""
+        self._iteration += 1
         self._admit()
-        running = self._requests()
-        if running:
-            self._launch(running)
-        while len(self._inflight) > (1 if running else 0):
+        decoding = [request for request in self._requests() if request.decoding]
+        pieces = self._plan_chunk()
+        if decoding or pieces:
+            self._launch(decoding, pieces)
+        while self._inflight and (self._inflight[0].iteration < self._iteration or not (decoding or pieces)):
             self._pick(self._inflight.popleft())
         return bool(self.waiting or self._inflight or any(self.slots))
 
     def _requests(self) -> list[_Running]:
-        """The running requests in row order."""
+        """The admitted requests in row order."""
         return [slot for row, slot in enumerate(self.slots) if slot is not None and slot.first_row == row]
 
-    def _launch(self, running: list[_Running]) -> None:
-        last = running[-1]
-        searches = [request for request in running if request.width > 1]
-        beam_rows = [row for request in searches for row in request.rows]
-        step = self.decode.launch(last.first_row + last.width, max(r.position for r in running) + 1,
-                                  full=not all(r.plain for r in running),
-                                  beam_rows=self._beam_rows_tensor(beam_rows) if beam_rows else None,
-                                  beams_from=min((len(r.handle.prompt) for r in searches), default=0),
-                                  lora=any(r.handle.adapter for r in running))
-        self.decode_steps += 1
-        self.steps_queued_ahead += any(launched.decode for launched in self._inflight)
-        for request in running:
-            request.position += 1
-        self._inflight.append(_Launched(self._count_launch(), step, running, decode=True))
+    def _launch(self, decoding: list[_Running], pieces: list[tuple[_Running, Piece]]) -> None:
+        rows = furthest = 0
+        full = False
+        beam_rows = None
+        beams_from = 0
+        if decoding:
+            last = decoding[-1]
+            rows = last.first_row + last.width
+            furthest = max(request.position for request in decoding) + 1
+            full = not all(request.plain for request in decoding)
+            searches = [request for request in decoding if request.width > 1]
+            rows_of_beams = [row for request in searches for row in request.rows]
+            beam_rows = self._beam_rows_tensor(rows_of_beams) if rows_of_beams else None
+            beams_from = min((len(request.handle.prompt) for request in searches), default=0)
+        lora = any(request.handle.adapter for request in decoding) or any(piece.adapter for _, piece in pieces)
+        decode, piece_logits = self.forward.launch(rows, furthest, [piece for _, piece in pieces], full=full,
+                                                   beam_rows=beam_rows, beams_from=beams_from, lora=lora)
+        if decode is not None:
+            self.decode_steps += 1
+            self.steps_queued_ahead += any(launched.decode for launched in self._inflight)
+            for request in decoding:
+                request.position += 1
+            self._inflight.append(_Launched(self._count_launch(), decode, decoding, True, self._iteration))
+        for index, (request, piece) in enumerate(pieces):
+            self._prefilled(request, len(piece.embeds))
+            if request.prefilled == len(request.handle.prompt):
+                self._start_decoding(request, piece_logits[index])
 
     def _count_launch(self) -> int:
         self._launches += 1
@@ -314,48 +407,27 @@ class Scheduler:
     # --- admission --------------------------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Place waiting requests in order into one run of free rows; prefill them and choose their first tokens."""
-        placed = self._place_waiting()
-        if not placed:
-            return
-        try:
-            first = placed[0].first_row
-            self._set_up(placed)
-            logits = self._prefill_prompts(placed)
-            rows = [i for i, request in enumerate(placed) for _ in request.rows]
-            per_row = logits[host_to_device(rows, torch.long, logits.device)]
-            full = not all(request.plain for request in placed)
-            self.chooser.choose(per_row, first, full)
-            beams = full and any(request.width > 1 for request in placed)
-            step = LaunchedStep.read_back(self.chooser, first, per_row, beams)
-        except Exception as error:  # noqa: BLE001 - the failure belongs to these requests only
-            for request in placed:
-                self._release(request, error)
-            return
-        self._inflight.append(_Launched(self._count_launch(), step, placed, decode=False))
-
-    def _place_waiting(self) -> list[_Running]:
-        """Take waiting requests, first come first served, into consecutive free rows: the first into the lowest
-        run wide enough for it, the next ones after it while they fit."""
-        placed: list[_Running] = []
+        """Take waiting requests, first come first served, while rows and KV-cache blocks are free for them: each
+        into the lowest run of free rows wide enough, with its blocks (reused prefix blocks, new ones for the rest
+        of its prompt and for its new tokens)."""
         with self._wake:
-            row: int | None = None
             while self.waiting:
                 handle = self.waiting[0]
                 if handle.cancelled:
                     self.waiting.popleft()._finish()
                     continue
-                width = handle.params.num_beams
+                row = self._free_run(handle.params.num_beams)
                 if row is None:
-                    row = self._free_run(width)
-                if row is None or row + width > len(self.slots) or any(self.slots[row:row + width]):
-                    break
+                    return
+                keys = handle.block_keys
+                hits = self.pool.lookup(keys)
+                if not self.pool.can_allocate(self._blocks_needed(len(handle.prompt), handle.params, len(hits)),
+                                              hits):
+                    return
                 self.waiting.popleft()
-                request = self._running(handle, row)
-                self.slots[row:row + width] = [request] * width
-                placed.append(request)
-                row += width
-        return placed
+                request = self._running(handle, row, self._take_blocks(handle, keys, hits))
+                self.slots[row:row + request.width] = [request] * request.width
+                self.prefilling.append(request)
 
     def _free_run(self, width: int) -> int | None:
         run = 0
@@ -365,30 +437,121 @@ class Scheduler:
                 return row - width + 1
         return None
 
-    def _running(self, handle: Handle, row: int) -> _Running:
+    def _blocks_needed(self, length: int, params: SamplingParams, reused: int) -> int:
+        """New blocks a request takes when its first ``reused`` prompt blocks come from the prefix index."""
+        size, width = self.block_size, params.num_beams
+        prompt_blocks = -(-length // size)
+        generated = -(-(length + params.max_output_len) // size) - prompt_blocks
+        whole_prompt_reused = reused * size == length
+        shared_partial = length % size != 0
+        return (prompt_blocks - reused + whole_prompt_reused + width * generated
+                + (width - 1) * shared_partial)
+
+    def _take_blocks(self, handle: Handle, keys: list[bytes], hits: list[int]) -> _Blocks:
+        """Allocate a request's blocks (see ``_blocks_needed``) and lay out its rows' tables. A prompt reused whole
+        recomputes its last position into a copy of its last block; beam rows other than the first get a copy of
+        a partly filled last prompt block (the copies are made once the prompt is computed)."""
+        size, width = self.block_size, handle.params.num_beams
+        length = len(handle.prompt)
+        prompt_blocks = -(-length // size)
+        generated = -(-(length + handle.params.max_output_len) // size) - prompt_blocks
+        copies: list[tuple[int, int]] = []
+        self.pool.share(hits)
+        prompt = list(hits)
+        if len(hits) * size == length:  # the whole prompt is cached: copy-on-write its last block
+            (copy,) = self.pool.allocate(1)
+            copies.append((copy, prompt[-1]))
+            self.pool.release([prompt[-1]])
+            prompt[-1] = copy
+            held = list(prompt)
+        else:
+            held = prompt + self.pool.allocate(prompt_blocks - len(hits))
+            prompt = list(held)
+        tables = []
+        for beam in range(width):
+            table = list(prompt)
+            if beam and length % size:
+                (table[-1],) = self.pool.allocate(1)
+                held.append(table[-1])
+            own = self.pool.allocate(generated)
+            held += own
+            tables.append(table + own)
+        return _Blocks(tables, held, copies, keys, reused=len(hits))
+
+    def _running(self, handle: Handle, row: int, blocks: _Blocks) -> _Running:
         params = handle.params
         search = (BeamSearch if params.num_beams > 1 else Answer)(params, self.eos_id, self.tokenizer)
         if isinstance(search, Answer):
             handle.tokens = search.tokens  # the answer appends each kept token
         seed = params.seed if params.seed is not None else secrets.randbits(64)
-        return _Running(handle, row, search, seed, position=len(handle.prompt))
+        length = len(handle.prompt)
+        reused = min(blocks.reused * self.block_size, length - 1)
+        self.reused_positions += reused
+        if blocks.copies:  # the last block of a prompt reused whole: copy it before the last position is written
+            targets, sources = zip(*blocks.copies)
+            self.cache.copy_blocks_(*(host_to_device(list(ids), torch.long, self.model.device)
+                                      for ids in (targets, sources)))
+        return _Running(handle, row, search, seed, blocks, prefilled=reused, registered=blocks.reused)
 
-    def _set_up(self, placed: list[_Running]) -> None:
-        """Write each newcomer's rows: parameters, the prompt's ids as seen, a beam leader's end ids."""
-        first = placed[0].first_row
-        setups, seen, ends = [], [], []
-        for request in placed:
-            width = request.width
-            scores = [0.0] + [float("-inf")] * (width - 1)
-            setups += self._row_setups(request, len(request.handle.prompt) - 1, scores, [0] * width)
-            seen += [self._prompt_ids(request)] * width
-            ends += [sorted(request.search.end_ids) if width > 1 else []] + [[]] * (width - 1)
-        self.chooser.set_rows(first, setups)
+    def _plan_chunk(self) -> list[tuple[_Running, Piece]]:
+        """The next pieces of the admitted prompts, in admission order, within ``max_num_tokens`` (the attention
+        to earlier positions counted in, ``chunk_cost``; a piece keeps at least an eighth of it, so that a long
+        prompt moves on) and ``MAX_PIECES``."""
+        budget = float(self.max_num_tokens)
+        smallest = max(1, self.max_num_tokens // 8)
+        pieces = []
+        for request in list(self.prefilling):
+            if request.handle.cancelled:
+                self.prefilling.remove(request)
+                self._release(request)
+                continue
+            if len(pieces) == MAX_PIECES or budget < 1:
+                break
+            prompt = request.handle.prompt
+            start = request.prefilled
+            count = min(len(prompt) - start, int(budget))
+            while count > smallest and chunk_cost(count, start, self.key_equivalent) > budget:
+                count = max(smallest, int(count * budget / chunk_cost(count, start, self.key_equivalent)))
+            budget -= chunk_cost(count, start, self.key_equivalent)
+            pieces.append((request, Piece(prompt[start:start + count], start, request.blocks.tables[0],
+                                          request.handle.adapter)))
+        return pieces
+
+    def _prefilled(self, request: _Running, count: int) -> None:
+        """``count`` more prompt positions are queued: index the prompt blocks they complete."""
+        request.prefilled += count
+        self.prefilled_positions += count
+        blocks = request.blocks
+        while (request.registered < len(blocks.keys)
+               and (request.registered + 1) * self.block_size <= request.prefilled):
+            self.pool.register(blocks.tables[0][request.registered], blocks.keys[request.registered])
+            request.registered += 1
+
+    def _start_decoding(self, request: _Running, logits: Tensor) -> None:
+        """The prompt is computed: give beam rows their copies of a shared last block, install the rows' block
+        tables and decoding state, and choose the first tokens from the prompt's last ``logits [V]``."""
+        self.prefilling.remove(request)
+        first, width = request.first_row, request.width
+        tables = request.blocks.tables
+        if width > 1 and len(request.handle.prompt) % self.block_size:
+            last = len(request.handle.prompt) // self.block_size
+            device = self.model.device
+            self.cache.copy_blocks_(host_to_device([table[last] for table in tables[1:]], torch.long, device),
+                                    host_to_device([tables[0][last]] * (width - 1), torch.long, device))
+        self.tables.set(first, tables)
         if self.model.lora is not None:
-            self.decode.set_adapters(first, [request.handle.adapter for request in placed for _ in request.rows])
-        self.chooser.set_ids(self.chooser.seen, first, seen)
-        if any(ends):
-            self.chooser.set_ids(self.chooser.ends, first, ends)
+            self.forward.set_adapters(first, [request.handle.adapter] * width)
+        scores = [0.0] + [float("-inf")] * (width - 1)
+        self.chooser.set_rows(first, self._row_setups(request, len(request.handle.prompt) - 1, scores, [0] * width))
+        self.chooser.set_ids(self.chooser.seen, first, [self._prompt_ids(request)] * width)
+        if width > 1:
+            self.chooser.set_ids(self.chooser.ends, first, [sorted(request.search.end_ids)] + [[]] * (width - 1))
+        per_row = logits[None].expand(width, -1)
+        self.chooser.choose(per_row, first, not request.plain)
+        step = LaunchedStep.read_back(self.chooser, first, per_row, width > 1)
+        request.position = len(request.handle.prompt)
+        request.decoding = True
+        self._inflight.append(_Launched(self._count_launch(), step, [request], False, self._iteration))
 
     def _row_setups(self, request: _Running, position: int, scores: Sequence[float],
                     tokens: Sequence[int]) -> list[RowSetup]:
@@ -401,25 +564,6 @@ class Scheduler:
     def _prompt_ids(self, request: _Running) -> list[int]:
         vocab = self.model.config.vocab_size
         return [t for t in request.handle.prompt_ids if 0 <= t < vocab]
-
-    def _prefill_prompts(self, placed: list[_Running]) -> Tensor:
-        """Prefill each prompt once, into its first row, and copy it to a beam search's other rows; returns the
-        logits after each prompt ``[n, V]``."""
-        first = placed[0].first_row
-        logits = self.prefill([request.handle.prompt for request in placed], first,
-                              [request.handle.adapter for request in placed])
-        longest = max(len(request.handle.prompt) for request in placed)
-        # prefilled side by side, then each moved to its first row (a beam search's other rows lie in between)
-        self._copy_rows([(request.first_row, first + i) for i, request in enumerate(placed)], longest)
-        self._copy_rows([(row, request.first_row) for request in placed for row in request.rows[1:]], longest)
-        return logits
-
-    def _copy_rows(self, pairs: list[tuple[int, int]], length: int) -> None:
-        """Each (target, source) row pair: the target gets the source's cache slots ``[0, length)``."""
-        pairs = [(target, source) for target, source in pairs if target != source]
-        if pairs:
-            targets, sources = (host_to_device(rows, torch.long, self.model.device) for rows in zip(*pairs))
-            self.cache.copy_rows_(targets, sources, 0, length)
 
     # --- reading back -----------------------------------------------------------------------------------------
 
@@ -456,17 +600,20 @@ class Scheduler:
 
     def _rebuild(self, request: _Running) -> None:
         """A stop string ended a beam the device continued: rebuild the search's rows from the host's beams (each
-        row's cache from the prompt and its beam, its state as the host has it) and skip the steps queued meanwhile.
-        A dead beam's row copies the best beam's."""
+        row's beam tokens computed again after the prompt, its state as the host has it) and skip the steps queued
+        meanwhile. A dead beam's row copies the best beam's."""
         search = request.search
         assert isinstance(search, BeamSearch)
         sequences = [beam if score > float("-inf") else search.beams[0]
                      for beam, score in zip(search.beams, search.scores)]
-        prompt = request.handle.prompt
+        length = len(request.handle.prompt)
         device = self.model.device
-        self.prefill([torch.cat([prompt, self.model.embed(host_to_device(beam[:-1], torch.long, device))])
-                      for beam in sequences], request.first_row, [request.handle.adapter] * len(sequences))
-        position = len(prompt) + len(sequences[0]) - 1
+        pieces = [Piece(self.model.embed(host_to_device(beam[:-1], torch.long, device)), length, table,
+                        request.handle.adapter)
+                  for beam, table in zip(sequences, request.blocks.tables) if len(beam) > 1]
+        if pieces:
+            self.forward.launch(0, 0, pieces, lora=bool(request.handle.adapter))
+        position = length + len(sequences[0]) - 1
         self.chooser.set_rows(request.first_row, self._row_setups(request, position, search.scores,
                                                                   [beam[-1] for beam in sequences]))
         prompt_ids = self._prompt_ids(request)
@@ -474,15 +621,44 @@ class Scheduler:
         request.position = position
         request.skip_through = self._launches
 
-    def _release(self, request: _Running, error: BaseException | None = None) -> None:
+    def _release(self, request: _Running, error: BaseException | None = None, device: bool = True) -> None:
+        """Free the request's rows and blocks and finish its handle (``device``: also reset its rows' state)."""
         for row in request.rows:
             self.slots[row] = None
-        self.chooser.release(request.first_row, request.width)
+        if device:
+            self.chooser.release(request.first_row, request.width)
+            self.tables.clear(request.first_row, request.width)
+        self.pool.release(request.blocks.held)
+        request.blocks.held = []
+        if request in self.prefilling:
+            self.prefilling.remove(request)
         handle = request.handle
         if isinstance(request.search, BeamSearch):
             handle.beams = request.search.results()
             handle.tokens = handle.beams[0] if handle.beams else []
         handle._finish(error)
+
+
+def chunk_cost(count: int, start: int, key_equivalent: float) -> float:
+    """What prefilling positions ``[start, start + count)`` costs, in prompt positions of matrix products: each
+    position costs one, plus its attention to the keys before it (on average ``start + count / 2``), at
+    ``key_equivalent`` keys per position."""
+    return count * (1.0 + (start + count / 2) / key_equivalent)
+
+
+ATTENTION_COST = 2.0  # a chunk's attention runs at about half the rate of its matrix products (an estimate)
+
+
+def attention_key_equivalent(config: DecoderConfig) -> float:
+    """How many keys one position attends to for the cost of its matrix products: the multiply-adds of a layer's
+    weights per position over the ``2 x heads x head_dim`` per key (scores and values), at ``ATTENTION_COST``."""
+    hidden, heads, groups, dim = config.hidden_size, config.num_attention_heads, config.num_query_groups, \
+        config.head_dim
+    ffn = config.expert_ffn_hidden_size if config.num_moe_experts else config.ffn_hidden_size
+    experts = config.moe_router_topk if config.num_moe_experts else 1
+    weights = hidden * (heads + 2 * groups) * dim + heads * dim * hidden \
+        + experts * ffn * hidden * (3 if config.gated else 2)
+    return weights / (2 * heads * dim * ATTENTION_COST)
 
 
 @torch.inference_mode()

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..gemv import fastest
+from ..gemv import fastest, register_tuned
 from .formats import FP8_MAX, QuantLayout, dequantize
 
 try:
@@ -272,7 +272,7 @@ if triton is not None:
         return kept or configs[:1]
 
     _AUTOTUNE_KEY = ["N", "K", "G", "HAS_INPUT_SCALE"]
-    _tuned_mv_kernel = triton.autotune(
+    _tuned_mv_kernel = register_tuned("quant_mv", triton.autotune(
         configs=[
             triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
             for n, k, warps, stages in (
@@ -284,8 +284,8 @@ if triton is not None:
         key=[*_AUTOTUNE_KEY, "BLOCK_M"],
         prune_configs_by={"early_config_prune": _fits_registers},
         do_bench=_bench,
-    )(_qlinear_kernel)
-    _tuned_mm_kernel = triton.autotune(
+    )(_qlinear_kernel))
+    _tuned_mm_kernel = register_tuned("quant_mm", triton.autotune(
         configs=[
             triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
             for m, n, k, warps, stages in (
@@ -297,4 +297,4 @@ if triton is not None:
         key=[*_AUTOTUNE_KEY, "M_BUCKET"],
         prune_configs_by={"early_config_prune": _fits_rows},
         do_bench=_bench,
-    )(_qlinear_kernel)
+    )(_qlinear_kernel))

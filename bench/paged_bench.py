@@ -1,0 +1,319 @@
+"""The paged KV cache on a LLaVA-1.5-7B-shaped model (Llama-2-7B decoder, CLIP-L/336 tower, random bf16 weights),
+measured in one run, beside the numbers of the static cache it replaced (docs/performance.md, issue 14).
+
+Parts (each runs on its own: one that fails prints its error and the others still run):
+- decode ms/step at 1 row (608-position prompt, 128 new tokens), and at 64 and 128 rows with the bf16 and the fp8
+  KV cache, against the step's roofline: the weights a step reads plus the KV bytes its rows attend (each row's
+  positions, float8 half the bytes), over the device-to-device copy bandwidth measured in the same run;
+- 128 concurrent image requests (608-position prompts, 128 new tokens) in one scheduler: completed, errors, tok/s,
+  the most requests waiting and the largest share of the pool in use;
+- a 16,384-position prompt admitted while 16 requests decode: their per-token latency p50/p99 against the same 16
+  decoding alone, and the long prompt's time to first token against the same prompt alone;
+- time to first token end to end through the Pipeline (image + question, `max_output_len=1`): a first question
+  (the encoder runs, the whole prompt is prefilled) and a second question about an image already seen (encoder
+  cache hit, the prompt's blocks up to the question reused).
+
+    python bench/paged_bench.py            # CUDA (the H100), a few minutes; prints the table, writes $OUT/paged_bench.json
+    python bench/paged_bench.py --tiny     # tiny shapes on the CPU in float32: checks that the script runs
+"""
+
+from __future__ import annotations
+
+import gc
+import io
+import random
+import string
+import time
+import traceback
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from llava_bench import FULL as LLAVA
+from llava_bench import TINY as LLAVA_TINY
+from llava_bench import bench_main, copy_bandwidth, kv_bytes_per_token, synchronize, vision_encoder
+from mixed_decode import FULL, TINY
+from mixed_decode import decoder as random_decoder
+from transformers import CLIPVisionConfig, CLIPVisionModel
+
+from exporter.engine import Engine, EngineLimits
+from exporter.llm.generate import SamplingParams
+from exporter.llm.model import Decoder
+from exporter.llm.tokenizer import SentencePieceTokenizer
+from exporter.models.neva import ImagePerception
+from exporter.models.templates import get_template
+from exporter.runtime import Pipeline, Request
+from exporter.runtime.kv_cache import KVCacheOptions
+from exporter.runtime.scheduler import Scheduler
+
+# the static cache's numbers on the same H100 (docs/performance.md; the second question's from issue 14)
+BEFORE = {"decode_bs1_ms": 5.55, "ttft_first_ms": 17.44, "ttft_second_ms": 18.7}
+CONTEXT, NEW_TOKENS = 608, 128
+SIZES = {"full": dict(rows=(64, 128), concurrent=128, long=16_384, beside=16, steps=32, ttft_repeats=10),
+         "tiny": dict(rows=(4, 8), concurrent=16, long=2_048, beside=4, steps=8, ttft_repeats=3)}
+
+
+def run(tiny: bool) -> dict:
+    device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    sizes = SIZES["tiny" if tiny else "full"]
+    result: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                    "torch": torch.__version__, "dtype": str(dtype), "before": BEFORE}
+    result["copy_TBps"] = copy_bandwidth(device, 2 * 1024**3 // (64 if tiny else 1))
+    model = random_decoder(TINY if tiny else FULL, device, dtype)
+    head = model.embedding.word_embeddings.weight.numel() * model.dtype.itemsize
+    result["weights_read_GB"] = (sum(t.numel() * t.element_size() for t in model.state_dict().values()) - head) / 1e9
+    long_len = sizes["long"]
+    part(result, "bf16", lambda: _scheduler_parts(model, sizes, result, "auto", CONTEXT + NEW_TOKENS + long_len))
+    part(result, "fp8", lambda: _scheduler_parts(model, sizes, result, "fp8", CONTEXT + 256))
+    part(result, "ttft", lambda: _ttft(model, LLAVA_TINY if tiny else LLAVA, sizes["ttft_repeats"]))
+    return result
+
+
+def part(result: dict, name: str, fn: Callable[[], dict | None]) -> None:
+    """Run one part; its failure is recorded (and printed) instead of ending the run."""
+    try:
+        result.update(fn() or {})
+    except Exception as error:  # noqa: BLE001 - the other parts still run
+        traceback.print_exc()
+        result[f"{name}_error"] = repr(error)[:500]
+    finally:
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, max_seq_len: int) -> dict:
+    """Decode rows (and with the bf16 cache the 128 requests, the long prompt and batch 1) on one scheduler."""
+    scheduler = Scheduler(model, max_slots=max(sizes["rows"]), max_seq_len=max_seq_len, eos_id=None,
+                          kv_cache=KVCacheOptions(dtype=kv_dtype))
+    out = {f"pool_blocks_{kv_dtype}": scheduler.pool.capacity, "block_size": scheduler.block_size}
+    kv_token = kv_bytes_per_token(model) // (2 if kv_dtype == "fp8" else 1)
+    try:
+        rows_list = ((1,) if kv_dtype == "auto" else ()) + sizes["rows"]
+        for rows in rows_list:
+            steps = NEW_TOKENS - 1 if rows == 1 else sizes["steps"]
+            ms, context = decode_ms(scheduler, rows, steps)
+            roofline = (result["weights_read_GB"] * 1e9 + rows * context * kv_token) / (result["copy_TBps"] * 1e12)
+            out[f"decode_{kv_dtype}_{rows}_ms"] = ms
+            out[f"decode_{kv_dtype}_{rows}_roofline_ms"] = roofline * 1e3
+        if kv_dtype == "auto":
+            part(out, "concurrent", lambda: _concurrent(scheduler, sizes["concurrent"]))
+            part(out, "long", lambda: _long_prompt(scheduler, sizes["long"], sizes["beside"]))
+    finally:
+        scheduler.stop()
+    return out
+
+
+def _prompts(model: Decoder, count: int, length: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator(model.device).manual_seed(seed)
+    return torch.randn(count, length, model.config.hidden_size, device=model.device, dtype=model.dtype,
+                       generator=generator) * 0.02
+
+
+def decode_ms(scheduler: Scheduler, rows: int, steps: int) -> tuple[float, float]:
+    """Steady ms per decode step with ``rows`` requests of CONTEXT-position prompts all decoding, and the mean
+    positions a row attends over the timed steps. The prompts are admitted with a large chunk budget first."""
+    prompts = _prompts(scheduler.model, rows, CONTEXT, seed=rows)
+    params = SamplingParams(max_output_len=steps + 64)
+    handles = [scheduler.submit(prompts[i], [-1] * CONTEXT, params) for i in range(rows)]
+    # a larger chunk budget (eager steps) admits them quickly; 4096 keeps its activations within the reserve's room
+    budget, scheduler.max_num_tokens = scheduler.max_num_tokens, min(rows * CONTEXT, 4096)
+    try:
+        while scheduler.prefilling or scheduler.waiting:
+            scheduler.step()
+    finally:
+        scheduler.max_num_tokens = budget
+    for _ in range(2):
+        scheduler.step()
+    started = sum(handle.first_token_at is not None for handle in handles)
+    assert started == rows, f"{started} of {rows} rows decode (the pool is too small?)"
+    first = CONTEXT + sum(len(handle.tokens) for handle in handles) / rows
+    synchronize(scheduler.model.device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        scheduler.step()
+    synchronize(scheduler.model.device)
+    elapsed = (time.perf_counter() - start) * 1e3 / steps
+    for handle in handles:
+        handle.cancel()
+    while scheduler.step():
+        pass
+    return elapsed, first + steps / 2 + 1
+
+
+def _concurrent(scheduler: Scheduler, count: int) -> dict:
+    """``count`` image-sized requests submitted at once, each to its last token."""
+    prompts = _prompts(scheduler.model, count, CONTEXT, seed=7)
+    start = time.perf_counter()
+    handles = [scheduler.submit(prompts[i], [-1] * CONTEXT, SamplingParams(max_output_len=NEW_TOKENS))
+               for i in range(count)]
+    waiting, used = 0, 0.0
+    while scheduler.step():
+        stats = scheduler.stats()
+        waiting, used = max(waiting, stats.waiting), max(used, stats.kv_used_fraction)
+    synchronize(scheduler.model.device)
+    elapsed = time.perf_counter() - start
+    errors = [handle.error for handle in handles if handle.error is not None]
+    tokens = sum(len(handle.tokens) for handle in handles)
+    return {"concurrent_requests": count, "concurrent_completed": sum(len(h.tokens) == NEW_TOKENS for h in handles),
+            "concurrent_errors": len(errors), "concurrent_first_error": repr(errors[0])[:300] if errors else None,
+            "concurrent_s": elapsed, "concurrent_tok_s": tokens / elapsed, "concurrent_max_waiting": waiting,
+            "concurrent_max_kv_used": used}
+
+
+def _long_prompt(scheduler: Scheduler, length: int, beside: int) -> dict:
+    """Per-token latency of ``beside`` decoding requests alone and while a ``length``-position prompt is
+    prefilled; the long prompt's time to first token alone and while they decode."""
+    device = scheduler.model.device
+    long_prompt = _prompts(scheduler.model, 1, length, seed=11)[0]
+
+    def decode_rows(with_long: bool) -> tuple[list[float], float | None]:
+        times: list[list[float]] = [[] for _ in range(beside)]
+        prompts = _prompts(scheduler.model, beside, CONTEXT, seed=13)
+        handles = [scheduler.submit(prompts[i], [-1] * CONTEXT, SamplingParams(max_output_len=2 * NEW_TOKENS),
+                                    on_token=lambda _, mine=times[i]: mine.append(time.perf_counter()))
+                   for i in range(beside)]
+        while scheduler.prefilling or scheduler.waiting or any(len(t) < 8 for t in times):
+            scheduler.step()
+        window_start = time.perf_counter()
+        ttft = None
+        if with_long:
+            handle = scheduler.submit(long_prompt, [-1] * length, SamplingParams(max_output_len=1))
+            while not handle.done:
+                scheduler.step()
+            synchronize(device)
+            ttft = (handle.first_token_at - handle.submitted_at) * 1e3
+        else:
+            for _ in range(64):
+                scheduler.step()
+        window_end = time.perf_counter()
+        for handle in handles:
+            handle.cancel()
+        while scheduler.step():
+            pass
+        gaps = [(b - a) * 1e3 for mine in times for a, b in zip(mine, mine[1:]) if window_start <= a and b <= window_end]
+        return gaps, ttft
+
+    solo_gaps, _ = decode_rows(with_long=False)
+    during_gaps, during_ttft = decode_rows(with_long=True)
+    alone = scheduler.submit(long_prompt, [-1] * length, SamplingParams(max_output_len=1))
+    while scheduler.step():
+        pass
+    solo_ttft = (alone.first_token_at - alone.submitted_at) * 1e3
+    return {"long_len": length, "long_beside_rows": beside,
+            "long_rows_solo_p50_ms": _percentile(solo_gaps, 50), "long_rows_solo_p99_ms": _percentile(solo_gaps, 99),
+            "long_rows_during_p50_ms": _percentile(during_gaps, 50),
+            "long_rows_during_p99_ms": _percentile(during_gaps, 99),
+            "long_ttft_solo_ms": solo_ttft, "long_ttft_during_ms": during_ttft}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def _tokenizer(vocab: int) -> SentencePieceTokenizer:
+    """A BPE tokenizer trained on made-up words (the model's weights are random: any ids below its vocabulary)."""
+    import sentencepiece
+
+    rng = random.Random(0)
+    letters = string.ascii_lowercase[:12]
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 7))) for _ in range(2000)]
+    lines = [" ".join(rng.choice(words) for _ in range(12)) for _ in range(3000)]
+    model = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(sentence_iterator=iter(lines), model_writer=model, vocab_size=vocab,
+                                             model_type="bpe", unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+                                             minloglevel=2)
+    return SentencePieceTokenizer(model.getvalue())
+
+
+def _ttft(model: Decoder, shape: dict, repeats: int) -> dict:
+    """First and second questions about images, end to end through a Pipeline (median ms)."""
+    vision = CLIPVisionConfig(**shape["vision"])
+    torch.manual_seed(0)
+    hidden = model.config.hidden_size
+    tower = CLIPVisionModel(vision)
+    linear_1, linear_2 = torch.nn.Linear(vision.hidden_size, hidden), torch.nn.Linear(hidden, hidden)
+    encoder = vision_encoder(vision, hidden, tower, linear_1, linear_2, model.dtype).to(model.device)
+    limits = EngineLimits(max_input_len=1024, max_output_len=8, max_batch_size=1,
+                          max_multimodal_len=encoder.tokens_per_image)
+    engine = Engine({"model_type": "neva", "modality": "vision"}, limits, model,
+                    _tokenizer(min(1000, model.config.vocab_size - 8)), get_template("v1"),
+                    ImagePerception(encoder, encoder.preprocessor()))
+    pipeline = Pipeline(engine)
+    rng = np.random.default_rng(0)
+    size = vision.image_size
+
+    def ask(question: str, image: np.ndarray) -> float:
+        start = time.perf_counter()
+        (completion,) = pipeline.run([Request(question, image, SamplingParams(max_output_len=1))])
+        elapsed = (time.perf_counter() - start) * 1e3
+        if isinstance(completion, Exception):
+            raise completion
+        return elapsed
+
+    try:
+        images = [rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(repeats + 2)]
+        for image in images[:2]:  # warm: compile, capture, autotune
+            ask("Describe the image.", image)
+            ask("What is in it?", image)
+        first = [ask(f"Describe image {k} in detail.", image) for k, image in enumerate(images[2:])]
+        reused_before = pipeline.scheduler.reused_positions
+        second = [ask(f"What colour is thing {k} in it?", images[2]) for k in range(repeats)]
+        reused = (pipeline.scheduler.reused_positions - reused_before) / repeats
+    finally:
+        pipeline.close()
+    return {"ttft_first_ms": float(np.median(first)), "ttft_second_ms": float(np.median(second)),
+            "ttft_second_reused_positions": reused}
+
+
+def report(result: dict) -> str:
+    def value(key: str, digits: int = 2) -> str:
+        number = result.get(key)
+        return "-" if number is None else f"{number:.{digits}f}"
+
+    rows = [f"device {result['device']}, {result['dtype']}, copy {result['copy_TBps']:.2f} TB/s, weights a step reads "
+            f"{result['weights_read_GB']:.2f} GB, pool {result.get('pool_blocks_auto', '-')} blocks (bf16 KV) / "
+            f"{result.get('pool_blocks_fp8', '-')} (fp8 KV) of {result.get('block_size', '-')} positions",
+            f"{'metric':44} {'before':>8} {'now':>9} {'roofline':>9} {'roof/now':>9}  target"]
+
+    def line(label: str, before: str, now_key: str, target: str, roofline_key: str | None = None) -> None:
+        now, roof = result.get(now_key), result.get(roofline_key) if roofline_key else None
+        ratio = f"{roof / now:9.2f}" if now and roof else f"{'':9}"
+        rows.append(f"{label:44} {before:>8} {value(now_key):>9} {value(roofline_key) if roof else '':>9} {ratio}  "
+                    f"{target}")
+
+    line("decode 1 row ms/step (bf16 KV)", f"{BEFORE['decode_bs1_ms']:.2f}", "decode_auto_1_ms", "<= 5.6",
+         "decode_auto_1_roofline_ms")
+    for kv in ("auto", "fp8"):
+        for rows_count in sorted({int(k.split("_")[2]) for k in result if k.startswith(f"decode_{kv}_")} - {1}):
+            line(f"decode {rows_count} rows ms/step ({'bf16' if kv == 'auto' else 'fp8'} KV)", "-",
+                 f"decode_{kv}_{rows_count}_ms", "roof/now >= 0.80", f"decode_{kv}_{rows_count}_roofline_ms")
+    largest = max((int(k.split("_")[2]) for k in result if k.startswith("decode_fp8_") and k.endswith("_ms")
+                   and "roofline" not in k), default=None)
+    if largest and result.get(f"decode_auto_{largest}_ms"):
+        cut = 1 - result[f"decode_fp8_{largest}_ms"] / result[f"decode_auto_{largest}_ms"]
+        rows.append(f"{'fp8 KV cuts the ' + str(largest) + '-row step by':44} {'':8} {cut:9.1%} {'':19}  >= 30%")
+    line("TTFT first question (image + text) ms", f"{BEFORE['ttft_first_ms']:.2f}", "ttft_first_ms", "")
+    line("TTFT second question, same image ms", f"{BEFORE['ttft_second_ms']:.2f}", "ttft_second_ms", "<= 6")
+    rows.append(f"  positions reused per second question: {value('ttft_second_reused_positions', 0)}")
+    rows.append(f"{result.get('concurrent_requests', '-')} concurrent requests ({CONTEXT} + {NEW_TOKENS}): "
+                f"{result.get('concurrent_completed', '-')} completed, {result.get('concurrent_errors', '-')} errors, "
+                f"{value('concurrent_s')} s, {value('concurrent_tok_s', 0)} tok/s, at most "
+                f"{result.get('concurrent_max_waiting', '-')} waiting, KV pool at most "
+                f"{value('concurrent_max_kv_used')} used")
+    if "long_len" in result:
+        solo, during = result["long_rows_solo_p99_ms"], result["long_rows_during_p99_ms"]
+        rows.append(f"{result['long_beside_rows']} rows decoding, per-token ms p50/p99: alone "
+                    f"{value('long_rows_solo_p50_ms')}/{value('long_rows_solo_p99_ms')}, while a "
+                    f"{result['long_len']}-position prompt is prefilled {value('long_rows_during_p50_ms')}/"
+                    f"{value('long_rows_during_p99_ms')} (p99 x{during / solo:.2f}, target <= 2)")
+        rows.append(f"{result['long_len']}-position prompt TTFT ms: alone {value('long_ttft_solo_ms', 1)}, while "
+                    f"{result['long_beside_rows']} rows decode {value('long_ttft_during_ms', 1)} (x"
+                    f"{result['long_ttft_during_ms'] / result['long_ttft_solo_ms']:.2f}, target <= 1.3)")
+    rows += [f"{key}: {result[key]}" for key in sorted(result) if key.endswith("_error")]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    bench_main(__doc__, "paged_bench", run, report)

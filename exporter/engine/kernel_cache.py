@@ -1,0 +1,152 @@
+"""Warm-up work paid once per engine and GPU, not at every start: kept in the engine directory's `.cache/`.
+
+    model_dir/.cache/kernels-<key>/     key: a hash of the identity below
+        choices.json    {"format", "identity", "choices", "autotune"}: the candidate `gemv.fastest` picked per
+                        key (the bf16 matrix-vector and the quantized products), and each registered autotuned
+                        Triton kernel's chosen config per autotune key (`gemv.TUNED`)
+        inductor/       TORCHINDUCTOR_CACHE_DIR: torch.compile's compiled graphs and their kernels
+        triton/         TRITON_CACHE_DIR: the compiled Triton kernels (the matrix-vector and quantized ones)
+
+The identity is the GPU's name and compute capability and the torch, CUDA, Triton and package versions: another
+GPU or another version uses another folder, so its choices are measured (and its kernels compiled) again. A file
+that cannot be read, is not this format, or names another identity is ignored and rewritten: the cache can make
+a start faster, never fail one. `.cache/` is no part of the engine's inventory (`integrity`); an export keeps it
+(`atomic`); deleting it is always safe. The compile folders are used only where the user has not set those
+variables. A folder that cannot be written (read-only engine) keeps nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..llm import gemv
+from .directory import package_version
+from .integrity import CACHE_DIR
+
+LOGGER = logging.getLogger(__name__)
+FORMAT = 1
+CHOICES_FILE = "choices.json"
+COMPILE_DIRS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+_KEY_ITEM_TYPES = (bool, int, float, str, type(None))
+
+
+def device_identity(device: torch.device | str) -> dict[str, Any]:
+    """What compiled kernels and timing choices depend on: the GPU and the software versions."""
+    properties = torch.cuda.get_device_properties(torch.device(device))
+    return {"gpu": properties.name, "capability": f"{properties.major}.{properties.minor}",
+            "torch": torch.__version__, "cuda": torch.version.cuda,
+            "triton": getattr(gemv.triton, "__version__", None), "package": package_version()}
+
+
+@dataclass
+class Restored:
+    """What `KernelCache.restore` found: `reason` is "hit", "missing", "corrupt" or "other identity"."""
+
+    reason: str
+    choices: int = 0
+    autotuned: int = 0
+
+    def describe(self) -> str:
+        if self.reason != "hit":
+            return f"kernel cache {self.reason}: kernels are chosen by timing"
+        return f"kernel cache hit: {self.choices} kernel choices and {self.autotuned} autotuned configs reused"
+
+
+class KernelCache:
+    """The cache folder of one engine on one GPU and software identity."""
+
+    def __init__(self, model_dir: Path, identity: dict[str, Any]):
+        self.identity = identity
+        digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
+        self.folder = Path(model_dir) / CACHE_DIR / f"kernels-{digest}"
+
+    @classmethod
+    def for_device(cls, model_dir: Path, device: torch.device | str) -> KernelCache:
+        return cls(model_dir, device_identity(device))
+
+    def use_compile_dirs(self) -> dict[str, str]:
+        """Point torch.compile's and Triton's on-disk caches into the folder (each only if the user has not set
+        it, and only if the folder can be written); returns the variables set."""
+        if not self._writable():
+            return {}
+        chosen = {}
+        for variable, name in COMPILE_DIRS.items():
+            if variable not in os.environ:
+                path = self.folder / name
+                path.mkdir(parents=True, exist_ok=True)
+                os.environ[variable] = chosen[variable] = str(path)
+        return chosen
+
+    def restore(self) -> Restored:
+        """Hand the saved choices to `gemv` and the saved autotune configs to their kernels; anything unreadable
+        or of another identity is ignored."""
+        try:
+            saved = json.loads((self.folder / CHOICES_FILE).read_text())
+        except FileNotFoundError:
+            return Restored("missing")
+        except (OSError, ValueError):
+            return Restored("corrupt")
+        if not isinstance(saved, dict) or saved.get("format") != FORMAT:
+            return Restored("corrupt")
+        if saved.get("identity") != self.identity:
+            return Restored("other identity")
+        choices, autotune = saved.get("choices"), saved.get("autotune")
+        if not isinstance(choices, dict) or not isinstance(autotune, dict):
+            return Restored("corrupt")
+        gemv.remember({str(key): str(name) for key, name in choices.items()})
+        return Restored("hit", len(choices), sum(_seed(gemv.TUNED.get(kernel), entries)
+                                                 for kernel, entries in autotune.items()))
+
+    def save(self) -> bool:
+        """Write the choices made so far (with those restored) atomically; False if the folder cannot be written."""
+        if not self._writable():
+            return False
+        content = {"format": FORMAT, "identity": self.identity, "choices": gemv.choices(remembered=True),
+                   "autotune": {name: _tuned_entries(kernel) for name, kernel in gemv.TUNED.items()}}
+        target = self.folder / CHOICES_FILE
+        staged = target.with_name(f"{CHOICES_FILE}.{os.getpid()}")
+        try:
+            staged.write_text(json.dumps(content, indent=1))
+            os.replace(staged, target)
+        except OSError as error:
+            LOGGER.info("kernel cache not saved (%s)", error)
+            staged.unlink(missing_ok=True)
+            return False
+        return True
+
+    def _writable(self) -> bool:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return False
+        return os.access(self.folder, os.W_OK)
+
+
+def _tuned_entries(kernel: Any) -> list[list]:
+    """`[[autotune key as a list, config as text], ...]` of an autotuned kernel (keys JSON cannot hold left out)."""
+    cache = getattr(kernel, "cache", None) or {}
+    return [[list(key), str(config)] for key, config in list(cache.items())
+            if isinstance(key, tuple) and all(isinstance(item, _KEY_ITEM_TYPES) for item in key)]
+
+
+def _seed(kernel: Any, entries: Any) -> int:
+    """Put saved `[key, config text]` entries into an autotuned kernel's cache, where the config is one of its own;
+    the number seeded."""
+    configs = {str(config): config for config in getattr(kernel, "configs", ())}
+    if not configs or not isinstance(entries, list):
+        return 0
+    seeded = 0
+    for entry in entries:
+        if (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], list)
+                and isinstance(entry[1], str) and entry[1] in configs):
+            kernel.cache.setdefault(tuple(entry[0]), configs[entry[1]])
+            seeded += 1
+    return seeded

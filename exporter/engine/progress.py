@@ -1,0 +1,61 @@
+"""Start-up and export reporting: each phase logged with its time, and a progress bar for long byte streams.
+
+The bar is tqdm's on a terminal (stderr is a TTY and tqdm is installed); elsewhere (logs, CI, tests) a plain log
+line every `LOG_EVERY_FRACTION` of the bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import time
+from collections.abc import Callable, Iterator
+
+LOGGER = logging.getLogger("exporter.startup")
+LOG_EVERY_FRACTION = 0.25
+
+
+@contextlib.contextmanager
+def phase(name: str, logger: logging.Logger = LOGGER) -> Iterator[dict]:
+    """Log `name` and its duration at INFO when the block ends; the yielded dict's `detail` is appended."""
+    note: dict = {}
+    started = time.perf_counter()
+    yield note
+    seconds = time.perf_counter() - started
+    detail = f" ({note['detail']})" if note.get("detail") else ""
+    logger.info("phase %s: %.2f s%s", name, seconds, detail)
+
+
+@contextlib.contextmanager
+def byte_progress(description: str, total: int, logger: logging.Logger = LOGGER
+                  ) -> Iterator[Callable[[int], None]]:
+    """A callback counting bytes done out of `total`, shown as a bar on a terminal, else as a few log lines."""
+    bar = _terminal_bar(description, total)
+    if bar is not None:
+        try:
+            yield bar.update
+        finally:
+            bar.close()
+        return
+    done, next_report = 0, LOG_EVERY_FRACTION
+
+    def advance(nbytes: int) -> None:
+        nonlocal done, next_report
+        done += nbytes
+        if total and done / total >= next_report and done < total:
+            logger.info("%s: %.0f%% of %.2f GB", description, 100 * done / total, total / 1e9)
+            while next_report <= done / total:
+                next_report += LOG_EVERY_FRACTION
+
+    yield advance
+
+
+def _terminal_bar(description: str, total: int):
+    if not sys.stderr.isatty():
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc=description, unit="B", unit_scale=True, unit_divisor=1024, leave=False)

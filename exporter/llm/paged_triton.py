@@ -1,0 +1,271 @@
+"""Attention over a paged KV cache on CUDA: Triton kernels for decode rows and for prompt chunks.
+
+The cache of one layer is `k, v [blocks, block_size, kv_heads, head_dim]`; a row's key at position `p` sits in block
+`tables[row, p // block_size]` at offset `p % block_size`. Both kernels read each row's block table and lengths
+from tensors (no host value), so they can be captured in CUDA graphs, keep the softmax online in float32, and
+dequantize float8 blocks (value = stored * scale, one scale per KV head) as they load them.
+
+- `decode`: one query token per row. A program takes one (row, KV head, split): it loads each key and value
+  block once for all the query heads of that KV head (GQA), over its share of the row's positions. With
+  `splits > 1` the row's positions are cut into that many parts whose partial results a second kernel merges
+  (split-K: enough programs to keep every SM reading at small batch and long context).
+- `chunk`: query tiles of consecutive prompt positions of one row (a `tiles` table: sequence, first query, count,
+  first position), each attending causally to the row's blocks up to its own position.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch import Tensor
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # no Triton: the reference path in exporter.llm.paged_attention runs
+    triton = None
+
+CHUNK_TILE = 64  # query positions per chunk-kernel program (the host cuts sequences into tiles of this size)
+_LOG2E = 1.4426950408889634
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def available() -> bool:
+    """Whether the kernels can run (Triton is importable)."""
+    return triton is not None
+
+
+def _padded(dim: int) -> int:
+    """The head size the kernels compute with: a power of two, at least 16 (the extra lanes are masked)."""
+    return max(16, triton.next_power_of_2(dim))
+
+
+def _precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, scales: Tensor | None,
+           splits: int, window: int | None) -> Tensor:
+    """Attention of `q [R, heads, d]` (row r's token at `positions[r]`) over keys `[0, positions[r]]` of row r's
+    blocks `tables [>= R, max_blocks]` (int32). `scales [2, kv_heads]` for float8 blocks. Returns `[R, heads, d]`."""
+    q = q.contiguous()
+    rows, heads, dim = q.shape
+    groups = k.shape[2]
+    per_group = heads // groups
+    out = torch.empty_like(q)
+    if rows == 0:
+        return out
+    fp8 = scales is not None
+    k_scale, v_scale = (scales[0], scales[1]) if fp8 else (q, q)  # unused pointers without float8
+    common = dict(QPG=per_group, QP=max(16, triton.next_power_of_2(per_group)), D=dim, DP=_padded(dim),
+                  BS=k.shape[1], FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype))
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0))
+    scale = _LOG2E / math.sqrt(dim)
+    if splits <= 1:
+        _decode_tuned[(rows, groups, 1)](q, k, v, tables, positions, k_scale, v_scale, out, out, *strides,
+                                         out.stride(0), out.stride(1), 0, tables.shape[1], window or 0, scale,
+                                         triton.next_power_of_2(rows), SPLITS=1, **common)
+        return out
+    partial = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
+    _decode_tuned[(rows, groups, splits)](q, k, v, tables, positions, k_scale, v_scale, partial, lse, *strides,
+                                          partial.stride(0), partial.stride(1), partial.stride(2), tables.shape[1],
+                                          window or 0, scale, triton.next_power_of_2(rows), SPLITS=splits, **common)
+    _paged_merge_kernel[(rows, heads)](partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
+                                 out.stride(0), out.stride(1), SPLITS=splits,
+                                 SP=triton.next_power_of_2(splits), D=dim, DP=_padded(dim))
+    return out
+
+
+def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales: Tensor | None,
+          window: int | None) -> Tensor:
+    """Causal attention of prompt positions `q [C, heads, d]` over their rows' blocks. `tiles [T, 4]` int32: per
+    program (sequence s or -1, first query index, query count <= CHUNK_TILE, position of that first query);
+    sequence s reads blocks `tables[s]`. Queries no tile covers come back as zeros."""
+    q = q.contiguous()
+    tokens, heads, dim = q.shape
+    groups = k.shape[2]
+    out = torch.zeros_like(q)
+    if tokens == 0 or tiles.shape[0] == 0:
+        return out
+    fp8 = scales is not None
+    k_scale, v_scale = (scales[0], scales[1]) if fp8 else (q, q)
+    _chunk_tuned[(tiles.shape[0], heads)](
+        q, k, v, tables, tiles, k_scale, v_scale, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        k.stride(2), tables.stride(0), out.stride(0), out.stride(1), tables.shape[1], window or 0,
+        _LOG2E / math.sqrt(dim), QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1], BLOCK_M=CHUNK_TILE,
+        FP8=fp8,
+        WINDOWED=window is not None, PRECISION=_precision(q.dtype))
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _softmax_start(scale, k_scale_ptr, group, ROWS: tl.constexpr, DP: tl.constexpr, FP8: tl.constexpr):
+        """The score scale (float8 keys' scale folded in) and an empty running max, sum and output."""
+        qk_scale = scale
+        if FP8:
+            qk_scale = scale * tl.load(k_scale_ptr + group)
+        return (qk_scale, tl.full((ROWS,), -1e30, dtype=tl.float32), tl.zeros((ROWS,), dtype=tl.float32),
+                tl.zeros((ROWS, DP), dtype=tl.float32))
+
+    @triton.jit
+    def _softmax_end(acc, total, v_scale_ptr, group, FP8: tl.constexpr):
+        """The output: the running output over the running sum (rows with no key: 0), float8 values' scale applied."""
+        if FP8:
+            acc = acc * tl.load(v_scale_ptr + group)
+        return acc / tl.where(total > 0, total, 1.0)[:, None]
+
+    @triton.jit
+    def _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, allowed, group, max_blocks, stride_kb, stride_kt,
+                      stride_kh, d, d_ok, qk_scale, m, total, acc, BS: tl.constexpr, FP8: tl.constexpr,
+                      PRECISION: tl.constexpr):
+        """One online-softmax update of `q`'s rows with the keys and values at positions `keys` of one KV head of a
+        row (`allowed`: which (query, key) pairs count); returns the running max, sum and output."""
+        key_ok = tl.max(allowed.to(tl.int32), 0) > 0
+        page = tl.minimum(keys // BS, max_blocks - 1)
+        block = tl.load(tables_ptr + table_row + page, mask=key_ok, other=0).to(tl.int64)
+        offsets = block * stride_kb + (keys % BS).to(tl.int64) * stride_kt + group * stride_kh
+        mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
+        if FP8:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        total = total * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        return m_new, total, acc
+
+    @triton.jit
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
+                             lse_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_or,
+                             stride_oh, stride_os, max_blocks, window, scale, row_bucket, QPG: tl.constexpr,
+                             QP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
+                             PRECISION: tl.constexpr):
+        """One (row, KV head, split): online softmax over the split's keys for the KV head's query heads."""
+        row = tl.program_id(0)
+        group = tl.program_id(1)
+        split = tl.program_id(2)
+        position = tl.load(positions_ptr + row).to(tl.int32)
+        context = position + 1
+        first_key = 0
+        if WINDOWED:
+            first_key = tl.maximum(position - window, 0)
+        first_tile = first_key // BLOCK_N
+        per_split = tl.cdiv(tl.cdiv(context, BLOCK_N) - first_tile, SPLITS)
+        lo = (first_tile + split * per_split) * BLOCK_N
+        hi = tl.minimum(lo + per_split * BLOCK_N, context)
+        lane = tl.arange(0, QP)
+        head_ok = lane < QPG
+        heads = group * QPG + lane
+        d = tl.arange(0, DP)
+        d_ok = d < D
+        q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                    mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+        qk_scale, m, total, acc = _softmax_start(scale, k_scale_ptr, group, QP, DP, FP8)
+        table_row = row.to(tl.int64) * stride_tr
+        for start in range(lo, hi, BLOCK_N):
+            keys = start + tl.arange(0, BLOCK_N)
+            allowed = ((keys < hi) & (keys >= first_key))[None, :] & (lane >= 0)[:, None]
+            m, total, acc = _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, allowed, group, max_blocks,
+                                          stride_kb, stride_kt, stride_kh, d, d_ok, qk_scale, m, total, acc, BS, FP8,
+                                          PRECISION)
+        found = total > 0
+        acc = _softmax_end(acc, total, v_scale_ptr, group, FP8)
+        out = out_ptr + row.to(tl.int64) * stride_or + heads[:, None] * stride_oh + split * stride_os + d[None, :]
+        if SPLITS == 1:
+            tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
+        else:
+            tl.store(out, acc, mask=head_ok[:, None] & d_ok[None, :])
+            lse = tl.where(found, m + tl.log2(tl.where(found, total, 1.0)), float("-inf"))
+            tl.store(lse_ptr + (row * (QPG * tl.num_programs(1)) + heads) * SPLITS + split, lse, mask=head_ok)
+
+    @triton.jit
+    def _paged_merge_kernel(partial_ptr, lse_ptr, out_ptr, stride_pr, stride_ph, stride_ps, stride_or, stride_oh,
+                            SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
+        """One (row, head): the splits' partial outputs weighted by their share of the softmax mass."""
+        row = tl.program_id(0)
+        head = tl.program_id(1)
+        split = tl.arange(0, SP)
+        split_ok = split < SPLITS
+        lse = tl.load(lse_ptr + (row * tl.num_programs(1) + head) * SPLITS + split, mask=split_ok,
+                      other=float("-inf"))
+        weight = tl.exp2(lse - tl.max(lse, 0))
+        weight = tl.where(split_ok, weight, 0.0)
+        d = tl.arange(0, DP)
+        d_ok = d < D
+        partial = tl.load(partial_ptr + row.to(tl.int64) * stride_pr + head * stride_ph
+                          + split[:, None] * stride_ps + d[None, :], mask=split_ok[:, None] & d_ok[None, :],
+                          other=0.0)
+        out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+        tl.store(out_ptr + row.to(tl.int64) * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+                 mask=d_ok)
+
+    @triton.jit
+    def _paged_chunk_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr, out_ptr, stride_qt,
+                            stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_ot, stride_oh, max_blocks,
+                            window, scale, QPG: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
+                            PRECISION: tl.constexpr):
+        """One (query tile, head): causal online softmax over the tile's row up to each query's position."""
+        tile = tl.program_id(0)
+        head = tl.program_id(1)
+        sequence = tl.load(tiles_ptr + tile * 4)
+        if sequence >= 0:
+            first = tl.load(tiles_ptr + tile * 4 + 1)
+            count = tl.load(tiles_ptr + tile * 4 + 2)
+            start = tl.load(tiles_ptr + tile * 4 + 3)
+            group = head // QPG
+            rows = tl.arange(0, BLOCK_M)
+            row_ok = rows < count
+            query_positions = start + rows
+            d = tl.arange(0, DP)
+            d_ok = d < D
+            tokens = (first + rows).to(tl.int64)
+            q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            end = start + count
+            lo = 0
+            if WINDOWED:
+                lo = (tl.maximum(start - window, 0) // BLOCK_N) * BLOCK_N
+            qk_scale, m, total, acc = _softmax_start(scale, k_scale_ptr, group, BLOCK_M, DP, FP8)
+            table_row = sequence.to(tl.int64) * stride_tr
+            for key_start in range(lo, end, BLOCK_N):
+                keys = key_start + tl.arange(0, BLOCK_N)
+                allowed = (keys < end)[None, :] & (keys[None, :] <= query_positions[:, None]) & row_ok[:, None]
+                if WINDOWED:
+                    allowed = allowed & (keys[None, :] >= query_positions[:, None] - window)
+                m, total, acc = _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, allowed, group,
+                                              max_blocks, stride_kb, stride_kt, stride_kh, d, d_ok, qk_scale, m,
+                                              total, acc, BS, FP8, PRECISION)
+            acc = _softmax_end(acc, total, v_scale_ptr, group, FP8)
+            tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
+                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+
+    # Decode reads the cache once: the configurations vary the keys per iteration and the pipelining depth that
+    # keep HBM busy (H100: 64-128 keys of 128-dim bf16 per iteration, 2-4 stages; float8 halves the bytes).
+    _DECODE_CONFIGS = [
+        triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
+        for n, warps, stages in ((64, 4, 3), (32, 2, 3), (32, 4, 4), (64, 4, 2), (64, 8, 3), (128, 4, 2),
+                                 (128, 8, 2), (128, 8, 3), (256, 8, 2))
+    ]
+    _CHUNK_CONFIGS = [
+        triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
+        for n, warps, stages in ((64, 4, 2), (32, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 8, 3))
+    ]
+    # The interpreter (TRITON_INTERPRET=1, CPU checks) cannot time configurations: it runs the first.
+    _decode_tuned = triton.autotune(
+        configs=_DECODE_CONFIGS[:1] if _INTERPRETED else _DECODE_CONFIGS,
+        key=["row_bucket", "QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"],
+    )(_paged_decode_kernel)
+    _chunk_tuned = triton.autotune(
+        configs=_CHUNK_CONFIGS[:1] if _INTERPRETED else _CHUNK_CONFIGS, key=["QPG", "D", "BS", "FP8", "stride_kt"],
+    )(_paged_chunk_kernel)

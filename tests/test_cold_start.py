@@ -1,0 +1,375 @@
+"""Cold start: engine weights streamed to and from disk, the kernel-choice cache, and the start-up phase lines.
+
+Writing is checked byte for byte against safetensors' own `save_file`; loading against safetensors' `load_file`
+and the file's sha256; the CUDA path's read ring runs on the CPU with copies that land only when waited for, so a
+buffer reused too early shows as wrong bytes. The kernel cache is checked with fake timings and a fake GPU
+identity (no GPU here): a hit times nothing, and another identity, a corrupt file or stale entries fall back to
+timing and are rewritten. Peak memory is measured in a fresh process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from exporter import TensorRTMMExporter
+from exporter.engine import EngineError
+from exporter.engine.directory import LLM_WEIGHTS, load_llm_weights
+from exporter.engine.kernel_cache import CHOICES_FILE, KernelCache
+from exporter.engine.loading import load_tensors, stream_chunks
+from exporter.engine.progress import byte_progress
+from exporter.engine.safetensors_format import read_header
+from exporter.engine.writing import write_tensors
+from exporter.llm import gemv
+from vlm_fixtures import build_vlm, random_image, tokenizer_file
+
+MB = 1 << 20
+IDENTITY = {"gpu": "Fake GPU 80GB", "capability": "9.0", "torch": "2.11.0", "cuda": "12.8", "triton": "3.5.0",
+            "package": "0.1.0"}
+LIMITS = {"max_batch_size": 1, "max_input_len": 256, "max_output_len": 4, "max_multimodal_len": 64}
+
+
+def random_weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {"layers.0.weight": torch.randn(48, 40, generator=generator), "layers.0.bias": torch.randn(48),
+            "norm.weight": torch.randn(40), "embedding.weight": torch.randn(97, 40, generator=generator),
+            "scalar": torch.tensor(1.5)}
+
+
+# --- writing ---------------------------------------------------------------------------------------------------------
+
+def test_streamed_weights_are_the_bytes_save_file_writes(tmp_path):
+    weights = random_weights()
+    save_file({name: t.to(torch.bfloat16).contiguous() for name, t in weights.items()}, tmp_path / "old.safetensors")
+    consumed = dict(weights)
+    sha256 = write_tensors(tmp_path / "new.safetensors", consumed, torch.bfloat16, writers=3)
+    new = (tmp_path / "new.safetensors").read_bytes()
+    assert new == (tmp_path / "old.safetensors").read_bytes()
+    assert sha256 == hashlib.sha256(new).hexdigest()
+    assert consumed == {}  # each tensor left the caller's dict as it was written
+
+
+def test_mixed_dtypes_are_stored_aligned_and_read_back_by_safetensors(tmp_path):
+    """A quantized engine's mix (int8 / uint8 weights, bf16 scales, float32 leftovers): every tensor starts at a
+    multiple of its element size, so it can be viewed in place."""
+    generator = torch.Generator().manual_seed(1)
+    weights = {"a.weight": torch.randint(-128, 127, (33, 17), dtype=torch.int8, generator=generator),
+               "a.weight_scale": torch.randn(33).to(torch.bfloat16), "b.packed": torch.randint(0, 255, (5, 3),
+                                                                                           dtype=torch.uint8),
+               "c.bias": torch.randn(7), "d.index": torch.arange(3), "empty": torch.empty(0, 4)}
+    write_tensors(tmp_path / "mixed.safetensors", dict(weights))
+    with safe_open(tmp_path / "mixed.safetensors", "pt") as stored:
+        assert {name: stored.get_tensor(name).dtype for name in stored.keys()} == {  # noqa: SIM118
+            name: t.dtype for name, t in weights.items()}
+        for name, tensor in weights.items():
+            assert torch.equal(stored.get_tensor(name), tensor)
+    with open(tmp_path / "mixed.safetensors", "rb") as stream:
+        data_start, entries = read_header(stream, (tmp_path / "mixed.safetensors").stat().st_size)
+    assert data_start % 8 == 0 and all(e.start % e.dtype.itemsize == 0 for e in entries)
+
+
+# --- loading ---------------------------------------------------------------------------------------------------------
+
+def test_cpu_load_views_one_mapping_hashes_and_leaves_the_file_alone(tmp_path):
+    path = tmp_path / "w.safetensors"
+    write_tensors(path, random_weights())
+    expected, file_bytes = load_file(path), path.read_bytes()
+    digest, seen = hashlib.sha256(), []
+    loaded = load_tensors(path, "cpu", digest, seen.append)
+    assert list(loaded) == list(expected) and all(torch.equal(loaded[k], expected[k]) for k in expected)
+    assert len({t.untyped_storage().data_ptr() for t in loaded.values()}) == 1  # views of one mapping
+    assert digest.hexdigest() == hashlib.sha256(file_bytes).hexdigest()
+    assert sum(seen) == sum(t.numel() * t.element_size() for t in expected.values())
+    loaded["norm.weight"].zero_()  # a private mapping: the process's copy changes, the file does not
+    assert path.read_bytes() == file_bytes
+
+
+class DeferredCopy:
+    """A copy that lands only when waited for (as a CUDA copy may): reading into its source before then loses it."""
+
+    def __init__(self, target: torch.Tensor, offset: int, chunk: torch.Tensor, log: list):
+        self.target, self.offset, self.chunk, self.log = target, offset, chunk, log
+        self.done = False
+
+    def synchronize(self) -> None:
+        if not self.done:
+            self.target[self.offset:self.offset + len(self.chunk)].copy_(self.chunk)
+            self.done = True
+            self.log.append(self.offset)
+
+
+@pytest.mark.parametrize("chunk_bytes,buffers", [(1000, 3), (777, 1), (1 << 20, 4)])
+def test_the_read_ring_reuses_a_buffer_only_after_its_copy(tmp_path, chunk_bytes, buffers):
+    """The CUDA path's reading loop (threads reading ahead into a ring of staging buffers) on the CPU."""
+    path = tmp_path / "w.safetensors"
+    write_tensors(path, random_weights(2))
+    data, start = path.read_bytes(), 64
+    target = torch.zeros(len(data) - start, dtype=torch.uint8)
+    copies, landed = [], []
+
+    def put(offset: int, chunk: torch.Tensor) -> DeferredCopy:
+        copies.append(DeferredCopy(target, offset, chunk, landed))
+        return copies[-1]
+
+    digest = hashlib.sha256(data[:start])
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        staging = [torch.empty(chunk_bytes, dtype=torch.uint8) for _ in range(buffers)]
+        stream_chunks(descriptor, start, len(data) - start, staging, put, digest)
+    finally:
+        os.close(descriptor)
+    for copy in copies:
+        copy.synchronize()
+    assert bytes(target.numpy()) == data[start:]
+    assert digest.hexdigest() == hashlib.sha256(data).hexdigest()
+    assert [c.offset for c in copies] == sorted(c.offset for c in copies)
+
+
+def test_a_broken_weights_file_is_one_line_naming_it(tmp_path):
+    (tmp_path / "llm_engine").mkdir()
+    weights = tmp_path / LLM_WEIGHTS
+    write_tensors(weights, random_weights())
+    weights.write_bytes(weights.read_bytes()[:-5])
+    with pytest.raises(EngineError, match=f"engine file {LLM_WEIGHTS} is not a readable safetensors file") as error:
+        load_llm_weights(tmp_path, "cpu")
+    assert "\n" not in str(error.value) and str(tmp_path) not in str(error.value)
+
+
+LOAD_CHILD = """
+import json, sys
+from pathlib import Path
+import torch
+from exporter.engine.directory import load_llm_weights
+from exporter.llm.config import DecoderConfig
+from exporter.llm.model import Decoder
+
+def memory():
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return {key: int(fields[key].split()[0]) * 1024 for key in ("VmHWM", "RssAnon")}
+
+torch.set_num_threads(1)
+model_dir = Path(sys.argv[1])
+config = DecoderConfig.from_dict(json.loads((model_dir / "llm_engine" / "config.json").read_text()))
+before = memory()
+decoder = Decoder.from_state_dict(config, load_llm_weights(model_dir, "cpu"))
+with torch.inference_mode():
+    decoder(decoder.embed(torch.arange(4))[None])  # every layer's weights are read
+after = memory()
+print(json.dumps({"peak": after["VmHWM"] - before["VmHWM"], "anon": after["RssAnon"] - before["RssAnon"]}))
+"""
+
+
+def test_loading_engine_weights_on_cpu_copies_nothing(tmp_path, tiny_gpt_weights):
+    """~580 MB of float32 weights: after a forward pass has read all of them, the process holds them once (as the
+    file's pages), and no anonymous copy."""
+    from exporter.llm.config import DecoderConfig
+    from test_checkpoint_memory import BIG_CONFIG
+
+    weights = tiny_gpt_weights(BIG_CONFIG, vocab=8192)
+    weights = {k: v for k, v in weights.items() if "mm_projector" not in k}
+    config = DecoderConfig.from_nemo({**BIG_CONFIG, "share_embeddings_and_output_weights": False,
+                                          "position_embedding_type": "rope"}, vocab_size=8192)
+    (tmp_path / "llm_engine").mkdir()
+    (tmp_path / "llm_engine" / "config.json").write_text(json.dumps(config.to_dict()))
+    size = sum(t.numel() * t.element_size() for t in weights.values())
+    write_tensors(tmp_path / LLM_WEIGHTS, weights)
+    done = subprocess.run([sys.executable, "-c", LOAD_CHILD, str(tmp_path)], capture_output=True, text=True,
+                          check=False, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr
+    grown = json.loads(done.stdout.strip().splitlines()[-1])
+    assert size >= 500 * MB
+    assert grown["anon"] < 0.2 * size + 100 * MB, f"anonymous memory grew {grown['anon'] / MB:.0f} MB"
+    assert grown["peak"] < 1.2 * size + 150 * MB, f"peak grew {grown['peak'] / MB:.0f} MB for {size / MB:.0f} MB"
+
+
+# --- the kernel cache ------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def fresh_choices(monkeypatch):
+    """An empty gemv choice table and autotune caches, and a fake timer that counts what it times."""
+    monkeypatch.setattr(gemv, "_CHOICES", {})
+    monkeypatch.setattr(gemv, "_KNOWN", {})
+    for kernel in gemv.TUNED.values():
+        monkeypatch.setattr(kernel, "cache", {})
+    timed: list[str] = []
+
+    def fake_measure(run):
+        timed.append(run.__name__)
+        return {"cublas": 2.0, "triton": 1.0}[run.__name__]
+
+    monkeypatch.setattr(gemv, "_measure", fake_measure)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build cannot ask
+    return timed
+
+
+def candidates(ran: list[str]) -> dict:
+    def cublas():
+        ran.append("cublas")
+
+    def triton():
+        ran.append("triton")
+
+    return {"cublas": cublas, "triton": triton}
+
+
+def restart(monkeypatch) -> None:
+    """What a new process starts from: nothing chosen, nothing remembered, empty autotune caches."""
+    monkeypatch.setattr(gemv, "_CHOICES", {})
+    monkeypatch.setattr(gemv, "_KNOWN", {})
+    for kernel in gemv.TUNED.values():
+        monkeypatch.setattr(kernel, "cache", {})
+
+
+KEY = (4096, 11008, torch.bfloat16)
+
+
+def test_a_kernel_cache_hit_times_nothing(tmp_path, fresh_choices, monkeypatch):
+    ran: list[str] = []
+    gemv.fastest(KEY, candidates(ran), "cublas")
+    assert fresh_choices == ["cublas", "triton"] and ran == ["triton"]
+    tuned = gemv.TUNED.get("gemv")
+    if tuned is not None:  # with Triton: one autotune result to keep, as the kernel's own cache holds it
+        tuned.cache[(4096, 11008, "torch.bfloat16", "torch.bfloat16")] = tuned.configs[3]
+    assert KernelCache(tmp_path, IDENTITY).save()
+
+    restart(monkeypatch)
+    fresh_choices.clear()
+    restored = KernelCache(tmp_path, IDENTITY).restore()
+    assert restored.reason == "hit" and restored.choices == 1
+    gemv.fastest(KEY, candidates(ran), "cublas")
+    assert fresh_choices == [] and ran[-1] == "triton"
+    if tuned is not None:
+        assert restored.autotuned == 1
+        assert gemv.TUNED["gemv"].cache == {(4096, 11008, "torch.bfloat16", "torch.bfloat16"): tuned.configs[3]}
+
+
+@pytest.mark.parametrize("change", ["gpu", "torch", "triton", "package"])
+def test_another_gpu_or_version_measures_again(tmp_path, fresh_choices, monkeypatch, change):
+    gemv.fastest(KEY, candidates([]), "cublas")
+    KernelCache(tmp_path, IDENTITY).save()
+    restart(monkeypatch)
+    fresh_choices.clear()
+    other = KernelCache(tmp_path, {**IDENTITY, change: "something else"})
+    assert other.folder != KernelCache(tmp_path, IDENTITY).folder
+    assert other.restore().reason == "missing"
+    gemv.fastest(KEY, candidates([]), "cublas")
+    assert fresh_choices == ["cublas", "triton"]
+    assert other.save()
+    assert json.loads((other.folder / CHOICES_FILE).read_text())["identity"][change] == "something else"
+
+
+@pytest.mark.parametrize("content,reason", [
+    (b"{not json", "corrupt"), (b"\xff\xfe\x00", "corrupt"), (b"[]", "corrupt"),
+    (json.dumps({"format": 99, "identity": IDENTITY, "choices": {}, "autotune": {}}).encode(), "corrupt"),
+    (json.dumps({"format": 1, "identity": IDENTITY, "choices": [], "autotune": {}}).encode(), "corrupt"),
+    (json.dumps({"format": 1, "identity": {**IDENTITY, "gpu": "Other"}, "choices": {}, "autotune": {}}).encode(),
+     "other identity"),
+])
+def test_a_corrupt_or_foreign_cache_file_falls_back_to_timing_and_is_rewritten(tmp_path, fresh_choices, content,
+                                                                                reason):
+    cache = KernelCache(tmp_path, IDENTITY)
+    cache.folder.mkdir(parents=True)
+    (cache.folder / CHOICES_FILE).write_bytes(content)
+    assert cache.restore().reason == reason
+    gemv.fastest(KEY, candidates([]), "cublas")
+    assert fresh_choices == ["cublas", "triton"]
+    assert cache.save()
+    assert KernelCache(tmp_path, IDENTITY).restore().reason == "hit"
+
+
+def test_stale_entries_are_ignored_one_by_one(tmp_path, fresh_choices):
+    """A candidate name that no longer exists is timed again; an autotune config the kernel no longer has, or a
+    malformed entry, is skipped; the good entries still count."""
+    good_key, stale_key = "4096 4096 torch.bfloat16", gemv.key_text(KEY)
+    tuned = gemv.TUNED.get("gemv")
+    configs = [] if tuned is None else [[[64, 64, "torch.bfloat16", "torch.bfloat16"], str(tuned.configs[0])],
+                                        [[1, 2], "BLOCK_N: 3, no such config"], "not an entry"]
+    cache = KernelCache(tmp_path, IDENTITY)
+    cache.folder.mkdir(parents=True)
+    (cache.folder / CHOICES_FILE).write_text(json.dumps({
+        "format": 1, "identity": IDENTITY, "choices": {good_key: "triton", stale_key: "retired_kernel"},
+        "autotune": {"gemv": configs, "no_such_kernel": [[[1], "x"]]}}))
+    restored = cache.restore()
+    assert restored.reason == "hit" and restored.autotuned == (0 if tuned is None else 1)
+    gemv.fastest((4096, 4096, torch.bfloat16), candidates([]), "cublas")
+    assert fresh_choices == []
+    gemv.fastest(KEY, candidates([]), "cublas")
+    assert fresh_choices == ["cublas", "triton"]
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_a_read_only_engine_keeps_nothing_and_still_loads(tmp_path, fresh_choices):
+    tmp_path.chmod(0o555)
+    try:
+        cache = KernelCache(tmp_path, IDENTITY)
+        assert cache.restore().reason == "missing"
+        assert not cache.save() and cache.use_compile_dirs() == {}
+    finally:
+        tmp_path.chmod(0o755)
+
+
+def test_compile_caches_go_into_the_cache_folder_unless_the_user_chose(tmp_path, monkeypatch):
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    cache = KernelCache(tmp_path, IDENTITY)
+    assert cache.use_compile_dirs() == {"TORCHINDUCTOR_CACHE_DIR": str(cache.folder / "inductor")}
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    assert (cache.folder / "inductor").is_dir()
+
+
+# --- the engine directory --------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vlm")
+    return build_vlm(folder / "legacy", tokenizer_file(folder))
+
+
+def export(model_dir: Path, nemo: Path) -> None:
+    TensorRTMMExporter(model_dir, load_model=False, device="cpu").export(nemo, model_type="neva", dtype="float32",
+                                                                          load_model=False, **LIMITS)
+
+
+def test_the_cache_folder_is_no_part_of_the_engine(vlm, tmp_path, caplog):
+    """Kernel cache files beside an engine: hash checks pass, an export over it keeps them, a folder holding only
+    a cache takes an export; and export and load log each phase with its time."""
+    engine = tmp_path / "engine"
+    stale = engine / ".cache" / "kernels-0123456789abcdef" / CHOICES_FILE
+    stale.parent.mkdir(parents=True)
+    stale.write_text("{}")  # only a cache: the folder counts as empty
+    with caplog.at_level(logging.INFO):
+        export(engine, vlm.nemo)
+    manifest = json.loads((engine / "manifest.json").read_text())
+    assert not any(name.startswith(".cache") for name in manifest["files"])
+    with caplog.at_level(logging.INFO):
+        exporter = TensorRTMMExporter(engine, device="cpu", verify_engine=True)
+    assert exporter.forward("describe the image", random_image(1), max_output_len=2)
+    export(engine, vlm.nemo)  # over the engine and its cache
+    assert stale.read_text() == "{}"
+    shutil.copytree(engine, tmp_path / "copy")  # copied: no marker match, hashed on the first load
+    assert TensorRTMMExporter(tmp_path / "copy", device="cpu").engine is not None
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    for phase in ("read the checkpoint", "perception", "write the LLM weights", "hash the other engine files",
+                  "check the engine files", "LLM weights: read + transfer", "load the engine",
+                  "warm-up: compile, choose kernels, capture graphs"):
+        assert f"phase {phase}: " in logged, phase
+
+
+def test_progress_is_logged_in_quarters_off_a_terminal(caplog):
+    with caplog.at_level(logging.INFO), byte_progress("loading the LLM weights", 8 << 30) as advance:
+        for _ in range(16):
+            advance(512 << 20)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [f"loading the LLM weights: {p}% of 8.59 GB" for p in (25, 50, 75)]

@@ -1,0 +1,31 @@
+"""bench/coldstart_bench.py runs end to end on the CPU at its tiny shape: a real `.nemo`, the export, both weight
+loads, a first start and a restart of deploy_triton.py with requests, and the table with the servers' phases."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_coldstart_bench_runs_and_prints_the_table(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path)}
+    command = [sys.executable, str(REPO / "bench/coldstart_bench.py"), "--tiny", "--cache_drop", "files",
+               "--workdir", str(tmp_path)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((tmp_path / "coldstart_bench.json").read_text())
+    assert result["export_s"] > 0 and result["load_old_s"] > 0 and result["load_new_s"] > 0
+    for start in ("first_start", "restart"):
+        measured = result[start]
+        assert measured["ready_s"] > 0 and measured["steady_request_s"] > 0, measured
+        assert "LLM weights: read + transfer" in measured["phases"] and "Triton start" in measured["phases"]
+        assert "READY (since the process started)" in measured["phases"]
+    assert "kernel cache" not in json.dumps(result["first_start"]["phases"])  # the CPU keeps no kernel cache
+    table = done.stdout
+    assert "restart: process start to READY s" in table and "first start phases:" in table
+    assert not list(tmp_path.glob("coldstart-*"))  # the work folder is removed

@@ -1,0 +1,100 @@
+"""The paged-attention Triton kernels, run on the CPU by Triton's interpreter, against the gather + SDPA reference.
+
+Triton takes `TRITON_INTERPRET=1` into account only if it is set before Triton is imported, so in an ordinary test
+run this file has one test, which runs this file again in a child pytest with the variable set; there the kernel
+checks below are collected. The interpreter cannot multiply bfloat16: float32 and float16 here, bfloat16 in
+`test_paged_gpu.py`. Skipped without Triton.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from conftest import TRITON_INTERPRETED, run_under_triton_interpreter  # noqa: E402
+from exporter.llm import paged_attention  # noqa: E402
+from exporter.llm.paged_attention import FP8_DTYPE, Chunk, PagedBatch, PagedKVCache  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if not TRITON_INTERPRETED:
+        pytest.skip("runs in the child pytest (TRITON_INTERPRET=1)")
+    from exporter.llm import paged_triton
+
+    return paged_triton
+
+
+def test_kernels_under_the_triton_interpreter():
+    run_under_triton_interpreter(__file__)
+
+
+def _cache(dtype: torch.dtype, groups: int, dim: int, block_size: int, blocks: int, fp8: bool = False,
+           seed: int = 0) -> PagedKVCache:
+    """One layer of random keys and values; float8 ones stored as value / scale."""
+    generator = torch.Generator().manual_seed(seed)
+    data = torch.randn(1, 2, blocks, block_size, groups, dim, generator=generator)
+    if not fp8:
+        return PagedKVCache(data.to(dtype))
+    scales = torch.rand(1, 2, groups, generator=generator) * 0.05 + 0.01
+    stored = (data / scales[:, :, None, None, :, None]).clamp(-448, 448).to(FP8_DTYPE)
+    return PagedKVCache(stored, scales)
+
+
+def _tables(rows: int, width: int, blocks: int, seed: int) -> torch.Tensor:
+    """Each row's table: distinct blocks in a shuffled order (block 0, the null block, never)."""
+    order = torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(seed))[: rows * width] + 1
+    return order.view(rows, width).to(torch.int32)
+
+
+# (dtype, KV heads, query heads per KV head, head size, block size, float8): MHA, GQA, MQA, head sizes that are
+# not powers of two or below 16, a block size of 1
+SHAPES = [
+    (torch.float32, 2, 2, 16, 4, False),
+    (torch.float16, 4, 1, 32, 16, False),
+    (torch.float32, 1, 4, 8, 4, False),
+    (torch.float16, 2, 3, 24, 1, False),
+    (torch.float32, 2, 2, 16, 8, True),
+]
+
+
+@pytest.mark.parametrize("dtype, groups, per_group, dim, block_size, fp8", SHAPES)
+@pytest.mark.parametrize("splits, window", [(1, None), (3, None), (4, 9)])
+def test_decode_kernel_matches_the_reference(kernels, dtype, groups, per_group, dim, block_size, fp8, splits,
+                                             window):
+    rows, width = 4, -(-48 // block_size)
+    cache = _cache(dtype, groups, dim, block_size, blocks=rows * width + 1, fp8=fp8)
+    tables = _tables(rows, width, cache.num_blocks, seed=1)
+    positions = torch.tensor([0, 5, 30, 47])[:rows]
+    query = torch.randn(rows, groups * per_group, dim, generator=torch.Generator().manual_seed(2)).to(dtype)
+    batch = PagedBatch(cache, rows=rows, tables=tables, positions=positions, span=48, splits=splits)
+    k, v, scales = cache.layer(0)
+    expected = paged_attention._decode_reference(query, k, v, batch, scales, window)
+    got = kernels.decode(query, k, v, tables, positions, scales, splits, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("dtype, groups, per_group, dim, block_size, fp8", SHAPES)
+@pytest.mark.parametrize("window", [None, 11])
+def test_chunk_kernel_matches_the_reference(kernels, dtype, groups, per_group, dim, block_size, fp8, window):
+    """Two sequences of one chunk, one starting after cached positions, with padding after them; the tiles as the
+    step builds them (at most CHUNK_TILE queries each, one unused)."""
+    width = -(-111 // block_size)
+    cache = _cache(dtype, groups, dim, block_size, blocks=2 * width + 1, fp8=fp8)
+    tables = _tables(2, width, cache.num_blocks, seed=3)
+    sequences = ((0, 70, 9), (70, 41, 0))  # (first query, count, first position)
+    tile = kernels.CHUNK_TILE
+    tiles = [[index, first + offset, min(tile, count - offset), start + offset]
+             for index, (first, count, start) in enumerate(sequences) for offset in range(0, count, tile)]
+    tiles = torch.tensor(tiles + [[-1, 0, 0, 0]], dtype=torch.int32)
+    query = torch.randn(120, groups * per_group, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+    chunk = Chunk(tables=tables, blocks=None, offsets=None, tiles=tiles, sequences=sequences)
+    k, v, scales = cache.layer(0)
+    expected = paged_attention._chunk_reference(query, k, v, chunk, scales, window)
+    got = kernels.chunk(query, k, v, tables, tiles, scales, window)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    assert not got[111:].any()  # padding queries no tile covers
