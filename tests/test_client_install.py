@@ -18,13 +18,13 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from serving_support import demo_deployed
+from support.demo import demo_deployed
 
 REPO = Path(__file__).resolve().parent.parent
 PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 PROJECT = PYPROJECT["name"]
 _PACKAGES = metadata.packages_distributions()
-LOCAL = {"exporter", "deploy", "query", "wire", "tools", "deploy_triton"} | {
+LOCAL = {"exporter", "deploy", "query", "wire", "tools", "support", "deploy_triton"} | {
     path.stem for folder in ("tests", "bench") for path in (REPO / folder).glob("*.py")}
 # The install each part of the tree runs in ("" is the base install).
 AREAS = {
@@ -39,7 +39,7 @@ AREAS = {
 PROVIDED = {
     "triton_python_backend_utils": "Triton's Python backend, inside the server",
     "triton": "torch's CUDA builds (the GPU kernels import it under try/except); [test] declares it for the CPU",
-    "nemo": "the NeMo reference venvs the audio tests build (tests/nemo_reference_env.py)",
+    "nemo": "the NeMo reference venvs the audio tests build (tests/support/nemo_reference_env.py)",
 }
 # Declared, but used through another package rather than imported.
 USED_THROUGH = {

@@ -14,11 +14,10 @@ import pytest
 import yaml
 from PIL import Image
 
-from conftest import load_demo_builder
 from exporter.models.templates import IMAGE_PLACEHOLDER, get_template
+from support.demo import DEMO_NEMO, load_demo_builder
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO_NEMO = ROOT / "demo" / "neva_demo.nemo"
 SAMPLE_NAMES = ("red_circle", "blue_triangle", "green_square", "yellow_circle")
 # Fill ratio of a shape inside its bounding box: square 1, circle pi/4, triangle 1/2.
 FILL_RATIO = {"square": (0.93, 1.01), "circle": (0.70, 0.86), "triangle": (0.42, 0.62)}

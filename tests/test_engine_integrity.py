@@ -16,12 +16,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_checkpoint_security import METADATA, replace_member, via_stack_global
 
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.engine import EngineError
-from vlm_fixtures import build_vlm, random_image, tokenizer_file
+from support.archives import METADATA, replace_member, via_stack_global
+from support.media import random_image
+from support.tokenizer_files import tokenizer_file
+from support.vlm import build_vlm
 
 REPO = Path(__file__).resolve().parents[1]
 LIMITS = {"max_batch_size": 1, "max_input_len": 256, "max_output_len": 4, "max_multimodal_len": 64}

@@ -3,7 +3,6 @@ served through Triton and the OpenAI front, and queried by a client and a CLI th
 
 from __future__ import annotations
 
-import base64
 import importlib
 import json
 import subprocess
@@ -18,19 +17,17 @@ import pytest
 import torch
 
 import exporter.models
-import picture_model_type
 from deploy.openai import OpenAIServer, create_app
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.models import ModelType, get_model_type, model_types, register_model_types
 from query import NemoQueryMultimodal, QueryError
-from serving_support import demo_deployed
+from support import picture_model_type
+from support.demo import COLOR_Q, DEMO_IMAGES, DEMO_NEMO, SHAPE_Q, demo_deployed
+from support.media import data_url
 from wire import AUDIO, IMAGE, VIDEO, ServedModel
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
-IMAGES = REPO / "demo" / "images"
-SHAPE_Q, COLOR_Q = "What shape is this?", "What color is the shape?"
 NAME = "picture-neva"
 
 
@@ -85,7 +82,7 @@ def _encoder_batches(perception, count: int) -> list[int]:
     sizes: list[int] = []
     hook = perception.encoder.register_forward_hook(lambda module, args, output: sizes.append(args[0].shape[0]))
     try:
-        image = perception.load_media(str(IMAGES / "red_circle.png"))[0]
+        image = perception.load_media(str(DEMO_IMAGES / "red_circle.png"))[0]
         perception.encode([image] * count)
     finally:
         hook.remove()
@@ -105,9 +102,9 @@ def test_vision_max_batch_size_sets_the_encoder_micro_batch(tmp_path, picture_ty
     neva = TensorRTMMExporter(tmp_path / "neva", device="cpu")
     neva.export(DEMO_NEMO, model_type="neva", dtype="float32", max_multimodal_len=256)
     assert neva.engine.limits.vision_max_batch_size == 16 and _encoder_batches(neva.engine.perception, 17) == [16, 1]
-    features = neva.engine.perception.encode(neva.engine.perception.load_media(str(IMAGES / "red_circle.png")))
+    features = neva.engine.perception.encode(neva.engine.perception.load_media(str(DEMO_IMAGES / "red_circle.png")))
     torch.testing.assert_close(features[0], exporter.engine.perception.encode(
-        exporter.engine.perception.load_media(str(IMAGES / "red_circle.png")))[0])
+        exporter.engine.perception.load_media(str(DEMO_IMAGES / "red_circle.png")))[0])
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +119,6 @@ def served_picture_type(tmp_path_factory, picture_type):
             front.stop()
 
 
-def _data_url(path: Path) -> str:
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
-
-
 def test_a_type_added_from_one_file_is_served(served_picture_type):
     http, grpc, openai_url = served_picture_type
     with urllib.request.urlopen(f"http://{http}/v2/models/demo/config", timeout=30) as response:
@@ -134,21 +127,21 @@ def test_a_type_added_from_one_file_is_served(served_picture_type):
 
     for url in (http, grpc):
         with NemoQueryMultimodal(url, "demo", NAME) as client:
-            assert client.query([SHAPE_Q, f"<picture>\n{COLOR_Q}"], str(IMAGES / "blue_triangle.png"),
+            assert client.query([SHAPE_Q, f"<picture>\n{COLOR_Q}"], str(DEMO_IMAGES / "blue_triangle.png"),
                                 max_output_len=4).tolist() == [["triangle"], ["blue"]]
             with pytest.raises(QueryError, match=r"at most 2 images per request, got 3 media items") as failure:
-                client.query(SHAPE_Q, [[str(IMAGES / "red_circle.png")] * 3], max_output_len=4)
+                client.query(SHAPE_Q, [[str(DEMO_IMAGES / "red_circle.png")] * 3], max_output_len=4)
             assert failure.value.status in ("400", "StatusCode.INVALID_ARGUMENT")
     with NemoQueryMultimodal(http, "demo", "neva") as client, pytest.raises(QueryError, match="is a 'picture-neva'"):
-        client.query(SHAPE_Q, str(IMAGES / "red_circle.png"))
+        client.query(SHAPE_Q, str(DEMO_IMAGES / "red_circle.png"))
 
     cli = subprocess.run([sys.executable, str(REPO / "scripts" / "query.py"), "-u", http, "-mn", "demo", "-mt", NAME,
-                          "-im", str(IMAGES / "green_square.png"), "-int", COLOR_Q, "-mol", "4"],
+                          "-im", str(DEMO_IMAGES / "green_square.png"), "-int", COLOR_Q, "-mol", "4"],
                          capture_output=True, text=True, timeout=120)
     assert (cli.returncode, cli.stdout) == (0, "green\n"), cli.stderr
 
     chat = openai.OpenAI(base_url=openai_url, api_key="unused", timeout=60, max_retries=0)
-    picture = {"type": "image_url", "image_url": {"url": _data_url(IMAGES / "yellow_circle.png")}}
+    picture = {"type": "image_url", "image_url": {"url": data_url((DEMO_IMAGES / "yellow_circle.png").read_bytes())}}
     answer = chat.chat.completions.create(model="pictures", max_tokens=4, messages=[
         {"role": "user", "content": [picture, {"type": "text", "text": COLOR_Q}]}])
     assert answer.choices[0].message.content == "yellow"

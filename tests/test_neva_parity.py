@@ -14,7 +14,10 @@ from exporter import TensorRTMMExporter
 from exporter.engine import EngineError, LimitError
 from exporter.llm.generate import SamplingParams
 from exporter.runtime import Request
-from vlm_fixtures import build_vlm, random_image, reference_tokens, tokenizer_file
+from support.media import random_image
+from support.neva_reference import reference_tokens
+from support.tokenizer_files import tokenizer_file
+from support.vlm import build_vlm
 
 STEPS = 8
 QUESTION = "describe the image"

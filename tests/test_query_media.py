@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from media_host import MediaHost
 from query import MediaError, NemoQueryMultimodal
 from query import media as media_io
 from query.query_multimodal import _request_groups, _stack
 from query.triton_client import server_error_summary
+from support.media_host import MediaHost
 from wire import AUDIO, IMAGE, VIDEO
 
 

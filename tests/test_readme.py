@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from conftest import stop_server
 from deploy.startup import free_port
-from serving_support import poll_ready
+from support.servers import poll_ready, stop_server
 
 REPO = Path(__file__).resolve().parent.parent
 README = (REPO / "README.md").read_text()

@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from conftest import load_demo_builder
-from serving_support import ScriptServer as Server
-from serving_support import assert_short_error, demo_script_server, grpc_infer, http_infer, json_tensor
-from test_serve_demo import COLOR_Q, MODEL, SHAPE_Q
+from support.demo import COLOR_Q, MODEL, SHAPE_Q, demo_script_server, load_demo_builder
+from support.servers import ScriptServer as Server
+from support.servers import assert_short_error, grpc_infer, http_infer, json_tensor
 
 MAX_OUTPUT_LEN = 8
 FUZZ_REQUESTS = 2000
@@ -143,7 +142,7 @@ def _mutated_triton(rng: random.Random, inputs: dict[str, np.ndarray], pictures)
         elif kind == "text":
             choice = rng.randrange(5)
             text = [b"", bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))),
-                    "<image> ".encode() * rng.randrange(1, 5) + SHAPE_Q.encode(),
+                    b"<image> " * rng.randrange(1, 5) + SHAPE_Q.encode(),
                     "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(rng.randrange(1, 200))).encode(),
                     b"tell me " * rng.randrange(100, 3000)][choice]
             inputs["input_text"] = np.array([[text]], dtype=object)

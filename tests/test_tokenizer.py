@@ -9,7 +9,6 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from conftest import train_sentencepiece
 from exporter.checkpoint import NemoCheckpoint
 from exporter.llm.tokenizer import (
     HuggingFaceTokenizer,
@@ -18,6 +17,7 @@ from exporter.llm.tokenizer import (
     load_saved_tokenizer,
     load_tokenizer,
 )
+from support.tokenizer_files import train_sentencepiece
 
 
 @pytest.fixture(scope="module")
