@@ -26,7 +26,7 @@ from pathlib import Path  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from deploy import DeployPyTriton  # noqa: E402
-from deploy.startup import DeployError, check_model_repository, check_port_free  # noqa: E402
+from deploy.startup import MANIFEST_NAME, DeployError, check_model_repository, check_port_free  # noqa: E402
 from wire import MODALITIES, stream_model_name  # noqa: E402
 
 LOGGER = logging.getLogger("deploy_triton")
@@ -260,12 +260,12 @@ def _validate(settings: dict) -> None:
         from exporter.llm.config import QuantConfig  # the exporter only when asked (the script starts without it)
 
         QuantConfig(settings["quantization"])  # an unknown method fails here, naming the supported ones
+    if settings["triton_model_repository"] is None:
+        settings["triton_model_repository"] = str(Path(tempfile.gettempdir()) / "trt_model_dir")
     if settings["visual_checkpoint"] and not settings["model_type"]:
         raise ValueError("exporting a checkpoint needs -mt/--model_type")
     if settings["model_type"]:
-        from exporter.models import get_model_type  # the registry only when a type is named
-
-        expected = get_model_type(settings["model_type"]).modality
+        expected = _modality_of(settings)
         if settings["modality"] not in (None, expected):
             raise ValueError(
                 f"--model_type {settings['model_type']} takes --modality {expected}, "
@@ -277,8 +277,22 @@ def _validate(settings: dict) -> None:
         media_policy(argparse.Namespace(**settings))  # a bad media option fails here, before anything starts
     except ValueError as error:
         raise ValueError(f"a --media_* option is invalid: {error}") from None
-    if settings["triton_model_repository"] is None:
-        settings["triton_model_repository"] = str(Path(tempfile.gettempdir()) / "trt_model_dir")
+
+
+def _modality_of(settings: dict) -> str:
+    """The modality of --model_type. An engine of that type in the repository records it in its manifest, read
+    without importing the exporter (so the engine's files are prefetched while the exporter is imported); else the
+    model-type registry says."""
+    if not settings["visual_checkpoint"]:
+        try:
+            served = json.loads((Path(settings["triton_model_repository"]) / MANIFEST_NAME).read_text())
+        except (OSError, ValueError):
+            served = None  # no engine there (check_model_repository says so later)
+        if isinstance(served, dict) and served.get("model_type") == settings["model_type"] and served.get("modality"):
+            return served["modality"]
+    from exporter.models import get_model_type  # the registry only when it must say
+
+    return get_model_type(settings["model_type"]).modality
 
 
 def build_deployable(settings: argparse.Namespace):

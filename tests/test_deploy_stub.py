@@ -23,6 +23,7 @@ from deploy import DeployError, DeployPyTriton, PortInUseError
 from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
 from support.servers import (
+    DEPLOY_SCRIPT,
     assert_short_error,
     deploy_script,
     grpc_infer,
@@ -412,6 +413,19 @@ def test_script_refuses_a_missing_repository(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert deploy_triton.main(["-tmn", MODEL, "-tmr", str(tmp_path), *port_flags]) == 1
     assert f"{tmp_path} has no manifest.json" in capsys.readouterr().err
+
+
+def test_serving_an_engine_takes_the_modality_from_its_manifest_without_the_exporter(tmp_path):
+    """The served engine's manifest says the modality of its model type, so validating the flags imports no model
+    type (the engine's files are prefetched while the exporter is imported); another type asks the registry."""
+    (tmp_path / "manifest.json").write_text(json.dumps({"model_type": "salm", "modality": "audio"}))
+    child = (f"import sys; sys.path.insert(0, {str(DEPLOY_SCRIPT.parent)!r}); import deploy_triton; "
+             f"s = deploy_triton.parse_settings(['-tmn', 'm', '-mt', sys.argv[1], '-tmr', {str(tmp_path)!r}]); "
+             "print(s.modality, 'exporter.models' in sys.modules, 'torch' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    answers = [subprocess.run([sys.executable, "-c", child, model_type], capture_output=True, text=True, env=env,
+                              timeout=120, check=True).stdout.split() for model_type in ("salm", "lita")]
+    assert answers == [["audio", "False", "False"], ["vision", "True", "True"]]
 
 
 def test_deploy_script_flags_config_and_overrides(tmp_path):
