@@ -15,7 +15,7 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -102,6 +102,8 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
         ExportQuantization.from_options(quantization, calib_data, device)
     target = torch_dtype(dtype)
     limits = limits or EngineLimits()
+    if limits.vision_max_batch_size is None:  # the manifest records the model type's default
+        limits = replace(limits, vision_max_batch_size=kind.perception.encoder_batch)
     with phase("read the checkpoint"):
         checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
         config = checkpoint.config
@@ -287,8 +289,10 @@ def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = 
     target = torch_dtype(dtype or manifest["dtype"])
     llm_dir = model_dir / LLM_DIR
     decoder_config = DecoderConfig.from_dict(json.loads((llm_dir / "config.json").read_text()))
+    limits = EngineLimits(**manifest["limits"])
     with ThreadPoolExecutor(1, thread_name_prefix="perception-load") as pool:
-        rest = pool.submit(_load_rest, kind, model_dir, device, target, media)  # while the LLM weights stream in
+        rest = pool.submit(_load_rest, kind, model_dir, device, target, media,  # while the LLM weights stream in
+                           limits.vision_max_batch_size)
         digest = hash_check.digests[LLM_WEIGHTS] if hash_check else None
         weights = load_llm_weights(model_dir, device, digest)
         decoder = Decoder.from_state_dict(decoder_config, weights, dtype=target, device=device)
@@ -298,7 +302,7 @@ def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = 
     if hash_check is not None:
         with phase("finish the hash check"):
             hash_check.finish()
-    return Engine(manifest, EngineLimits(**manifest["limits"]), decoder, tokenizer, template, perception)
+    return Engine(manifest, limits, decoder, tokenizer, template, perception)
 
 
 def load_llm_weights(model_dir: Path, device: str | torch.device, digest=None) -> dict[str, torch.Tensor]:
@@ -318,14 +322,15 @@ def load_llm_weights(model_dir: Path, device: str | torch.device, digest=None) -
     return weights
 
 
-def _load_rest(kind, model_dir: Path, device: str, dtype: torch.dtype, media: MediaPolicy | None
-               ) -> tuple[Tokenizer, ChatTemplate, Perception]:
+def _load_rest(kind, model_dir: Path, device: str, dtype: torch.dtype, media: MediaPolicy | None,
+               encoder_batch: int | None) -> tuple[Tokenizer, ChatTemplate, Perception]:
     """Tokenizer, template and perception of an engine."""
     llm_dir = model_dir / LLM_DIR
     tokenizer = load_saved_tokenizer(llm_dir, json.loads((llm_dir / "tokenizer_description.json").read_text()))
     template = ChatTemplate.from_dict(json.loads((llm_dir / "template.json").read_text()))
     with phase("perception"):
-        perception = kind.load_perception(model_dir / kind.perception_dir, device=device, dtype=dtype, media=media)
+        perception = kind.load_perception(model_dir / kind.perception_dir, device=device, dtype=dtype, media=media,
+                                          encoder_batch=encoder_batch)
     return tokenizer, template, perception
 
 
