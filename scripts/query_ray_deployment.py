@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Ask a model served by deploy_ray.py: a prompt with an image, through the OpenAI-compatible API (default) or
-NeMo's client (`--api nemo`: `NemoQueryMultimodal(..., backend="ray")`, any media file); prints the answer.
+NeMo's client over Triton's HTTP routes (`--api nemo`: `NemoQueryMultimodal("http://host:port", ...)`, any media
+file the model takes); prints the answer.
 
     python scripts/query_ray_deployment.py --port 1024 --model_id demo --prompt "What shape is this?" \\
         --image_path demo/images/red_circle.png
@@ -13,6 +14,8 @@ import base64
 import json
 import mimetypes
 import sys
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,8 +23,10 @@ from pathlib import Path
 sys.path = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
 from query import NemoQueryMultimodal, QueryError  # noqa: E402
-from query.http_json import JsonRequestError, http_base, open_url  # noqa: E402
-from wire import MODEL_TYPE_MODALITY  # noqa: E402
+
+
+class AnswerError(RuntimeError):
+    """The OpenAI API refused or failed the request; the message is the server's."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,9 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max_tokens", type=int, default=100, help="most tokens to generate (default: 100)")
     parser.add_argument("--stream", action="store_true", help="print the answer as it is generated")
     parser.add_argument("--api", choices=("openai", "nemo"), default="openai",
-                        help="the OpenAI-compatible API (default) or NeMo's client over Triton's JSON routes")
-    parser.add_argument("--model_type", choices=tuple(MODEL_TYPE_MODALITY), default="neva",
-                        help="with --api nemo: the model's type (default: neva)")
+                        help="the OpenAI-compatible API (default) or NeMo's client over Triton's HTTP routes")
+    parser.add_argument("--model_type", default="neva",
+                        help="with --api nemo: the model's type, its deploy_ray.py --model_type (default: neva)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the answer (default: 300)")
     return parser
 
@@ -51,7 +56,12 @@ def openai_answer(args: argparse.Namespace) -> Iterator[str]:
         content.insert(0, {"type": "image_url", "image_url": {"url": image}})
     body = {"model": args.model_id, "max_tokens": args.max_tokens, "stream": args.stream,
             "messages": [{"role": "user", "content": content}]}
-    response = open_url(f"{http_base(f'{args.host}:{args.port}')}/v1/chat/completions", body, args.timeout)
+    request = urllib.request.Request(f"http://{args.host}:{args.port}/v1/chat/completions",
+                                     data=json.dumps(body).encode("utf-8"), headers={"Content-Type": "application/json"})
+    try:
+        response = urllib.request.urlopen(request, timeout=args.timeout)
+    except urllib.error.HTTPError as error:
+        raise AnswerError(_error_message(error.read()) or f"HTTP {error.code} {error.reason}") from None
     with response:
         if not args.stream:
             yield json.loads(response.read())["choices"][0]["message"]["content"]
@@ -61,15 +71,15 @@ def openai_answer(args: argparse.Namespace) -> Iterator[str]:
                 continue
             chunk = json.loads(line[len(b"data:"):])
             if "error" in chunk:
-                raise JsonRequestError(chunk["error"].get("message", "the server failed the request"))
+                raise AnswerError(chunk["error"].get("message", "the server failed the request"))
             for choice in chunk["choices"]:
                 yield choice["delta"].get("content") or ""
 
 
 def nemo_answer(args: argparse.Namespace) -> Iterator[str]:
-    """The answer's text from NeMo's client (Triton's JSON routes of the deployment)."""
+    """The answer's text from NeMo's client (Triton's HTTP routes of the deployment)."""
     media = args.image_path or args.image_url
-    with NemoQueryMultimodal(f"{args.host}:{args.port}", args.model_id, args.model_type, backend="ray") as client:
+    with NemoQueryMultimodal(f"http://{args.host}:{args.port}", args.model_id, args.model_type) as client:
         if args.stream:
             yield from client.query_stream(args.prompt, media, max_output_len=args.max_tokens,
                                            inference_timeout=args.timeout)
@@ -77,6 +87,14 @@ def nemo_answer(args: argparse.Namespace) -> Iterator[str]:
             answers = client.query(args.prompt, media, max_output_len=args.max_tokens, init_timeout=args.timeout,
                                    inference_timeout=args.timeout)
             yield str(answers[0][0])
+
+
+def _error_message(body: bytes) -> str | None:
+    """The message of an OpenAI error body (`{"error": {"message": ...}}`), else the body's text."""
+    try:
+        return str(json.loads(body)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return body.decode("utf-8", errors="replace").strip() or None
 
 
 def _data_url(path: Path) -> str:
@@ -90,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         for piece in (nemo_answer if args.api == "nemo" else openai_answer)(args):
             print(piece, end="", flush=True)
         print()
-    except (JsonRequestError, QueryError, OSError, ValueError) as error:
+    except (AnswerError, QueryError, OSError, ValueError) as error:
         print(f"\nquery_ray_deployment.py: error: {error}", file=sys.stderr)
         return 1
     return 0

@@ -28,10 +28,12 @@ LOCAL = {"exporter", "deploy", "query", "wire", "tools", "support", "deploy_trit
     path.stem for folder in ("tests", "bench") for path in (REPO / folder).glob("*.py")}
 # The install each part of the tree runs in ("" is the base install).
 AREAS = {
-    "": ["query", "wire", "scripts/query.py", "exporter/__init__.py", "exporter/media_safety.py"],
+    "": ["query", "wire", "scripts/query.py", "scripts/query_ray_deployment.py", "exporter/__init__.py",
+         "exporter/media_safety.py"],
     "engine": ["exporter"],
     "serve": ["deploy", "scripts/deploy_triton.py"],
     "openai": ["deploy/openai"],
+    "ray": ["deploy/ray_serve", "scripts/deploy_ray.py"],
     "onnx": [],
     "test": ["tests", "tools", "bench"],
 }

@@ -1,8 +1,10 @@
-"""wire.http_json: Triton's HTTP JSON bodies to and from the wire tensors, checked against the wire's own row
-splitting (what the engine decodes) and against refusals that name the input."""
+"""wire.http_json: Triton's HTTP bodies (JSON and the binary tensor extension) to and from the wire tensors, checked
+against the wire's own row splitting (what the engine decodes), against tritonclient's own encoder and decoder, and
+against refusals that name the input."""
 
 from __future__ import annotations
 
+import base64
 import json
 
 import numpy as np
@@ -14,8 +16,6 @@ from wire.http_json import (
     generate_request_from_json,
     infer_request_from_body,
     infer_request_from_json,
-    infer_request_to_json,
-    outputs_from_json,
     outputs_to_binary,
     outputs_to_json,
 )
@@ -25,23 +25,28 @@ DATATYPES = {"input_text": "BYTES", "input_media": "UINT8", "input_media_bytes":
 PNG = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe"  # not UTF-8: must travel as a data: URL
 
 
-def test_a_client_request_reaches_the_server_as_the_same_rows():
-    params = param_tensors({"max_output_len": 7, "top_p": 0.5, "temperature": 0.25})
-    request = {"input_text": np.array([["What is this? é".encode()], [b"and this"]], dtype=object),
-               "input_media_bytes": np.array([[PNG], [PNG + b"2"]], dtype=object),
-               **{name: np.stack([value, value]) for name, value in params.items()}}
-    decoded = infer_request_from_json(infer_request_to_json(request), DATATYPES)
+def test_a_json_request_reaches_the_server_as_the_same_rows():
+    """A JSON body as curl sends it (media as base64 data: URLs), split into rows as the engine reads them."""
+    png_urls = ["data:image/png;base64," + base64.b64encode(p).decode() for p in (PNG, PNG + b"2")]
+    body = {"inputs": [
+        {"name": "input_text", "shape": [2, 1], "datatype": "BYTES", "data": ["What is this? é", "and this"]},
+        {"name": "input_media_bytes", "shape": [2, 1], "datatype": "BYTES", "data": png_urls},
+        {"name": "max_output_len", "shape": [2, 1], "datatype": "INT64", "data": [7, 7]},
+        {"name": "top_p", "shape": [2, 1], "datatype": "FP32", "data": [[0.5], [0.5]]},
+        {"name": "temperature", "shape": [2, 1], "datatype": "FP32", "data": [0.25, 0.25]}]}
+    decoded, binary = infer_request_from_body(json.dumps(body).encode(), None, DATATYPES)
     rows = split_request(decoded)
     assert [row.text for row in rows] == ["What is this? é", "and this"]
     assert [row.media_bytes for row in rows] == [(PNG,), (PNG + b"2",)]
     assert rows[0].sampling == {"max_output_len": 7, "top_p": 0.5, "temperature": 0.25}
     assert decoded["max_output_len"].dtype == np.int64 and decoded["top_p"].dtype == np.float32
+    assert binary is False  # a JSON body gets a JSON answer
 
 
 def test_raw_pixels_keep_their_shape_and_values():
     pixels = np.arange(2 * 3 * 4 * 3, dtype=np.uint8).reshape(1, 2, 3, 4, 3)
-    body = infer_request_to_json({"input_text": np.array([[b"x"]], dtype=object), "input_media": pixels})
-    decoded = infer_request_from_json(body, DATATYPES)
+    body, _ = _tritonclient_body({"input_text": np.array([[b"x"]], dtype=object), "input_media": pixels}, ())
+    decoded, _ = infer_request_from_body(body, None, DATATYPES)
     np.testing.assert_array_equal(decoded["input_media"], pixels)
     assert decoded["input_media"].dtype == np.uint8
 
@@ -94,15 +99,13 @@ def test_malformed_generate_bodies_are_refused(body, expected):
         generate_request_from_json(body)
 
 
-def test_answers_round_trip():
+def test_json_answers_hold_each_row_s_beams():
     outputs = {"outputs": np.array([[a.encode() for a in row] for row in [["un", "deux"], ["trois é", "quatre"]]],
                                    dtype=np.bytes_)}
-    body = outputs_to_json("demo", outputs)
-    assert body["outputs"][0]["shape"] == [2, 2]
-    back = outputs_from_json(body)
-    assert [[item.decode() for item in row] for row in back] == [["un", "deux"], ["trois é", "quatre"]]
-    with pytest.raises(WireError, match="no \"outputs\""):
-        outputs_from_json({"outputs": []})
+    answer = json.loads(json.dumps(outputs_to_json("demo", outputs)))
+    assert answer["model_name"] == "demo"
+    assert answer["outputs"] == [{"name": "outputs", "shape": [2, 2], "datatype": "BYTES",
+                                  "data": ["un", "deux", "trois é", "quatre"]}]
 
 
 def test_datatypes():
@@ -157,8 +160,8 @@ def test_binary_answers_read_back_with_tritonclient():
 
 
 def test_a_json_body_asks_for_a_json_answer_unless_it_names_binary_outputs():
-    body = json.dumps(infer_request_to_json({"input_text": np.array([[b"x"]], dtype=object)})).encode()
-    assert infer_request_from_body(body, None, DATATYPES)[1] is False
+    body = json.dumps({"inputs": [{"name": "input_text", "shape": [1, 1], "datatype": "BYTES", "data": ["x"]}]})
+    assert infer_request_from_body(body.encode(), None, DATATYPES)[1] is False
     asking = {**json.loads(body), "outputs": [{"name": "outputs", "parameters": {"binary_data": True}}]}
     assert infer_request_from_body(json.dumps(asking).encode(), None, DATATYPES)[1] is True
 

@@ -1,7 +1,7 @@
 """Ray Serve: `scripts/deploy_ray.py` exporting the demo Neva and serving it with two replicas (one CPU each) on a
-local Ray cluster it starts, queried over the OpenAI API (raw HTTP and the `openai` package), Triton's JSON routes
-(`NemoQueryMultimodal(backend="ray")`) and `scripts/query_ray_deployment.py`; answers are compared with the same
-engine run in this process. One replica's process is killed under load: every request ends, answered or with a
+local Ray cluster it starts, queried over the OpenAI API (raw HTTP and the `openai` package), Triton's HTTP routes
+(`NemoQueryMultimodal` and `tritonclient`, as against Triton) and `scripts/query_ray_deployment.py`; answers are
+compared with the same engine run in this process. One replica's process is killed under load: every request ends, answered or with a
 clear error, and the replacement replica serves."""
 
 from __future__ import annotations
@@ -26,12 +26,13 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+import tomllib
 
-from conftest import load_demo_builder
 from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
+from support.demo import load_demo_builder
+from support.servers import assert_short_error, poll_ready
 from wire import param_tensors
-from serving_support import assert_short_error, poll_ready
 
 pytest.importorskip("ray.serve", reason="Ray Serve is the [ray] extra: pip install -e '.[ray]'")
 
@@ -173,16 +174,17 @@ def openai_chat(url: str, question: str, png: bytes | None, stream: bool = False
 
 def nemo_query(url: str, question: str, png: bytes | None, stream: bool = False, max_tokens: int = 8,
                **params) -> tuple[int, str]:
-    """NeMo's client over Triton's JSON routes: (200, the answer) or (the status, 0 after the first piece; the
+    """NeMo's client over Triton's HTTP routes: (200, the answer) or (the status, 0 after the first piece; the
     server's message)."""
-    client = NemoQueryMultimodal(url, MODEL, "neva", backend="ray")
     try:
-        if stream:
-            return 200, "".join(client.query_stream(question, png, max_output_len=max_tokens,
-                                                    inference_timeout=CLIENT_TIMEOUT_S, **params))
-        answer = client.query(question, png, max_output_len=max_tokens, init_timeout=CLIENT_TIMEOUT_S,
-                              inference_timeout=CLIENT_TIMEOUT_S, **params)
-        return 200, str(answer[0][0])
+        with NemoQueryMultimodal(url, MODEL, "neva") as client:
+            if stream:
+                return 200, "".join(client.query_stream(question, png, max_output_len=max_tokens,
+                                                        init_timeout=CLIENT_TIMEOUT_S,
+                                                        inference_timeout=CLIENT_TIMEOUT_S, **params))
+            answer = client.query(question, png, max_output_len=max_tokens, init_timeout=CLIENT_TIMEOUT_S,
+                                  inference_timeout=CLIENT_TIMEOUT_S, **params)
+            return 200, str(answer[0][0])
     except QueryError as error:
         return int(error.status or 0), error.server_message
 
@@ -279,16 +281,16 @@ def test_openai_client_and_query_script(served, images):
 
 
 def test_triton_routes_answer_and_refuse_like_triton(served):
-    with NemoQueryMultimodal(served.url, MODEL, "neva", backend="ray") as client:
+    with NemoQueryMultimodal(served.url, MODEL, "neva") as client:
         pictures = [str(REPO / f"demo/images/{name}.png") for name in ("red_circle", "blue_triangle")]
         assert client.query([SHAPE_Q, COLOR_Q], pictures, max_output_len=8).tolist() == [["circle"], ["blue"]]
         with pytest.raises(QueryError) as refused:
             client.query("tell me " * 300 + SHAPE_Q, pictures[0], max_output_len=4)
         assert refused.value.status == "400" and "max_input_len=512" in refused.value.server_message
-    missing = NemoQueryMultimodal(served.url, "other", "neva", backend="ray")
-    with pytest.raises(QueryError) as unknown:
-        missing.query(SHAPE_Q, pictures[0])
-    assert unknown.value.status == "404"
+    with pytest.raises(QueryError, match="no model named 'other' .* it serves 'demo', 'demo_stream'"):
+        NemoQueryMultimodal(served.url, "other", "neva").query(SHAPE_Q, pictures[0], init_timeout=30)
+    with pytest.raises(QueryError, match="is a 'neva' model, not 'salm'"):
+        NemoQueryMultimodal(served.url, MODEL, "salm").query(SHAPE_Q, pictures[0], init_timeout=30)
     for path, body in (("infer", b"{not json"), ("infer", b'{"inputs": [{"name": "input_text"}]}'),
                        ("generate_stream", b'{"input_text": "x", "input_media": [1, 2]}')):
         request = urllib.request.Request(f"{served.url}/v2/models/{MODEL}/{path}", data=body, method="POST")
@@ -398,8 +400,9 @@ def test_base_install_does_not_import_ray():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
                           check=False)
     assert done.returncode == 0, done.stderr
-    extras = (REPO / "pyproject.toml").read_text()
-    assert re.search(r'^ray = \["ray\[serve\]>=2\.56"\]', extras, re.MULTILINE)
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert "ray[serve]>=2.56" in project["optional-dependencies"]["ray"]
+    assert not any(requirement.startswith("ray") for requirement in project["dependencies"])
 
 
 @pytest.mark.parametrize(("flags", "expected"), [

@@ -1,5 +1,5 @@
-"""Triton's HTTP JSON bodies for the wire tensors, for a server and a client that speak them without Triton (the
-Ray Serve front and `NemoQueryMultimodal(backend="ray")`).
+"""Triton's HTTP bodies for the wire tensors, for a server that speaks Triton's HTTP protocol without Triton (the Ray
+Serve front), so that Triton's clients (`tritonclient.http`, `NemoQueryMultimodal`, curl) reach it.
 
 - `infer` (KServe v2): `{"inputs": [{"name", "shape", "datatype", "data"}]}`, `data` flattened row-major; `BYTES`
   items are strings: UTF-8 text, or a media file as a base64 `data:` URL (`wire.request` decodes those).
@@ -17,7 +17,6 @@ Every malformed body is a `WireError` naming the input. numpy only.
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 from collections.abc import Mapping
@@ -48,8 +47,6 @@ def datatype_of(dtype: Any) -> str:
             return name
     raise ValueError(f"dtype {kind} has no Triton datatype here; use one of {', '.join(DATATYPES)}")
 
-
-# --- server side ----------------------------------------------------------------------------------------------------
 
 def infer_request_from_body(body: bytes, header_length: str | None,
                             datatypes: Mapping[str, str]) -> tuple[InferRequest, bool]:
@@ -244,36 +241,3 @@ def outputs_to_binary(model_name: str, outputs: Mapping[str, np.ndarray]) -> tup
                          "outputs": [{"name": "outputs", "shape": list(array.shape), "datatype": "BYTES",
                                       "parameters": {"binary_data_size": len(raw)}}]}).encode("utf-8")
     return header + raw, len(header)
-
-
-# --- client side ----------------------------------------------------------------------------------------------------
-
-def infer_request_to_json(request: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    """An `infer` body for the tensors of a request (batch axis first); media files go as base64 `data:` URLs."""
-    inputs = []
-    for name, value in request.items():
-        array = np.asarray(value)
-        datatype = datatype_of(array.dtype)
-        data = array.reshape(-1).tolist()
-        if datatype == "BYTES":
-            data = [_json_string(name, item) for item in data]
-        inputs.append({"name": name, "shape": list(array.shape), "datatype": datatype, "data": data})
-    return {"inputs": inputs}
-
-
-def _json_string(name: str, item: object) -> str:
-    raw = item if isinstance(item, bytes) else str(item).encode("utf-8")
-    if name == _MEDIA_BYTES:
-        return "data:application/octet-stream;base64," + base64.b64encode(raw).decode("ascii")
-    return raw.decode("utf-8")
-
-
-def outputs_from_json(body: object) -> np.ndarray:
-    """The `outputs` tensor (bytes, `[rows, beams]`) of an `infer` answer."""
-    outputs = body.get("outputs") if isinstance(body, dict) else None
-    for output in outputs if isinstance(outputs, list) else ():
-        if isinstance(output, dict) and output.get("name") == "outputs":
-            data = output.get("data") or []
-            array = np.array([str(item).encode("utf-8") for item in data], dtype=object)
-            return array.reshape(output.get("shape") or [len(data)])
-    raise WireError('the answer holds no "outputs" tensor')

@@ -15,6 +15,7 @@ from deploy.openai.errors import APIError, api_error
 from deploy.triton_errors import INTERNAL, UNAVAILABLE, client_failure, one_line
 from exporter.engine import EngineLimits
 from exporter.models.templates import ChatTemplate
+from wire import MediaKind
 
 LOGGER = logging.getLogger(__name__)
 
@@ -23,9 +24,9 @@ REPLICA_LOST_CODE = "replica_lost"
 
 @dataclass(frozen=True)
 class PerceptionFacts:
-    """How media sit in a prompt: the media kind and its placeholders in the text."""
+    """What a request's media are: their kinds (the default first) and their placeholders in the text."""
 
-    media_name: str
+    media: tuple[MediaKind, ...]
     placeholder: str | None
     placeholder_aliases: tuple[str, ...]
 
@@ -50,11 +51,9 @@ class ModelFacts:
         perception = engine.perception
         return cls(modality=exporter.modality, limits=engine.limits, template=engine.template,
                    lora_uids=tuple(exporter.lora_uids),
-                   parameters=dict(getattr(exporter, "triton_model_parameters", dict)()),
-                   perception=PerceptionFacts(media_name=getattr(perception, "media_name", "image"),
-                                              placeholder=getattr(perception, "placeholder", None),
-                                              placeholder_aliases=tuple(getattr(perception, "placeholder_aliases",
-                                                                                ()))))
+                   parameters=exporter.triton_model_parameters(),
+                   perception=PerceptionFacts(media=tuple(perception.media), placeholder=perception.placeholder,
+                                              placeholder_aliases=tuple(perception.placeholder_aliases)))
 
 
 @dataclass(frozen=True)

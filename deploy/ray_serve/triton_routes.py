@@ -5,6 +5,7 @@ backend="ray")`, `query.py`-style JSON clients and curl reach a Ray deployment a
   extension as `tritonclient.http` sends it; the answer's `outputs` hold one answer per beam for each prompt.
 - `POST /v2/models/<name>/generate_stream` (also under `<name>_stream`): Triton's generate extension, one prompt,
   answered as server-sent events `data: {"model_name", "model_version", "outputs": "<piece>"}`.
+- `POST /v2/repository/index`: the served names (the model and `<name>_stream`), as Triton lists its models.
 - `GET /v2/models/<name>` (metadata: the tensors) and `/v2/models/<name>/config` (Triton's config: the tensors,
   `max_batch_size`, and the parameters the model publishes for its clients), also under `<name>_stream`.
 
@@ -78,6 +79,14 @@ def add_triton_routes(app: FastAPI, remote: RemoteEngine, model_name: str) -> No
                 **{kind: [{"name": t.name, "data_type": config_type(datatype_of(t.dtype)), "dims": list(t.shape)}
                           for t in specs] for kind, specs in tensors.items()},
                 "parameters": {key: {"string_value": value} for key, value in remote.facts.parameters.items()}}
+
+    @app.get("/v2/models/{name}/ready")
+    async def unknown_ready(name: str) -> JSONResponse:
+        return unknown(name)  # the served names' readiness is answered in front of the app (`front.ReadyRoutes`)
+
+    @app.post("/v2/repository/index")
+    async def repository_index() -> list[dict[str, str]]:
+        return [{"name": served, "version": "1", "state": "READY"} for served in names]
 
     @app.post("/v2/models/{name}/infer")
     async def infer(name: str, request: Request) -> Response:
