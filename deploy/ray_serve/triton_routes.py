@@ -1,5 +1,5 @@
-"""Triton's HTTP routes for NeMo's clients, answered by the engine replicas, so that `NemoQueryMultimodal(url, ...,
-backend="ray")`, `query.py`-style JSON clients and curl reach a Ray deployment as they reach Triton:
+"""Triton's HTTP routes, answered by the engine replicas, so that Triton's HTTP clients (`NemoQueryMultimodal` and
+`scripts/query.py` with an `http://` URL, `tritonclient.http`, curl) reach a Ray deployment as they reach Triton:
 
 - `POST /v2/models/<name>/infer`: Triton's JSON body with NeMo's tensors (`wire.http_json`), or its binary tensor
   extension as `tritonclient.http` sends it; the answer's `outputs` hold one answer per beam for each prompt.
