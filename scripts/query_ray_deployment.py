@@ -57,7 +57,8 @@ def openai_answer(args: argparse.Namespace) -> Iterator[str]:
     body = {"model": args.model_id, "max_tokens": args.max_tokens, "stream": args.stream,
             "messages": [{"role": "user", "content": content}]}
     request = urllib.request.Request(f"http://{args.host}:{args.port}/v1/chat/completions",
-                                     data=json.dumps(body).encode("utf-8"), headers={"Content-Type": "application/json"})
+                                     data=json.dumps(body).encode("utf-8"),
+                                     headers={"Content-Type": "application/json"})
     try:
         response = urllib.request.urlopen(request, timeout=args.timeout)
     except urllib.error.HTTPError as error:

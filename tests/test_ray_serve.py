@@ -1,8 +1,9 @@
 """Ray Serve: `scripts/deploy_ray.py` exporting the demo Neva and serving it with two replicas (one CPU each) on a
 local Ray cluster it starts, queried over the OpenAI API (raw HTTP and the `openai` package), Triton's HTTP routes
-(`NemoQueryMultimodal` and `tritonclient`, as against Triton) and `scripts/query_ray_deployment.py`; answers are
-compared with the same engine run in this process. One replica's process is killed under load: every request ends, answered or with a
-clear error, and the replacement replica serves."""
+(`NemoQueryMultimodal`, `scripts/query.py` and `tritonclient`, as against Triton) and
+`scripts/query_ray_deployment.py`; answers are compared with the same engine run in this process. One replica's
+process is killed under load: every request ends, answered or with a clear error, and the replacement replica
+serves."""
 
 from __future__ import annotations
 
@@ -278,6 +279,11 @@ def test_openai_client_and_query_script(served, images):
                           timeout=120, check=False)
     assert done.returncode == 1 and "does not exist" in done.stderr
     assert_short_error(done.stderr.strip().splitlines()[-1])
+    done = subprocess.run([sys.executable, str(REPO / "scripts/query.py"), "-u", served.url, "-mn", MODEL,
+                           "-mt", "neva", "-im", str(REPO / "demo/images/red_circle.png"), "-int", SHAPE_Q,
+                           "-mol", "8"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert (done.returncode, done.stdout) == (0, "circle\n"), done.stderr[-2000:]  # Triton's CLI, unchanged
 
 
 def test_triton_routes_answer_and_refuse_like_triton(served):
