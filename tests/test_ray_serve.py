@@ -42,6 +42,7 @@ DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
 MODEL = "demo"
 SHAPE_Q, COLOR_Q = "What shape is this?", "What color is the shape?"
 CLIENT_TIMEOUT_S = 120
+CLIENTS = 24  # concurrent clients while a replica is killed
 ENGINE_TITLE = f"ray::ServeReplica:{MODEL}:Engine"
 
 
@@ -174,20 +175,24 @@ def openai_chat(url: str, question: str, png: bytes | None, stream: bool = False
 
 
 def nemo_query(url: str, question: str, png: bytes | None, stream: bool = False, max_tokens: int = 8,
-               **params) -> tuple[int, str]:
-    """NeMo's client over Triton's HTTP routes: (200, the answer) or (the status, 0 after the first piece; the
-    server's message)."""
+               client: NemoQueryMultimodal | None = None, **params) -> tuple[int, str]:
+    """NeMo's client over Triton's HTTP routes (`client`, kept open by the caller, or a new one): (200, the answer)
+    or (the status, 0 after the first piece; the server's message)."""
+    own = client is None
+    client = client or NemoQueryMultimodal(url, MODEL, "neva")
     try:
-        with NemoQueryMultimodal(url, MODEL, "neva") as client:
-            if stream:
-                return 200, "".join(client.query_stream(question, png, max_output_len=max_tokens,
-                                                        init_timeout=CLIENT_TIMEOUT_S,
-                                                        inference_timeout=CLIENT_TIMEOUT_S, **params))
-            answer = client.query(question, png, max_output_len=max_tokens, init_timeout=CLIENT_TIMEOUT_S,
-                                  inference_timeout=CLIENT_TIMEOUT_S, **params)
-            return 200, str(answer[0][0])
+        if stream:
+            return 200, "".join(client.query_stream(question, png, max_output_len=max_tokens,
+                                                    init_timeout=CLIENT_TIMEOUT_S, inference_timeout=CLIENT_TIMEOUT_S,
+                                                    **params))
+        answer = client.query(question, png, max_output_len=max_tokens, init_timeout=CLIENT_TIMEOUT_S,
+                              inference_timeout=CLIENT_TIMEOUT_S, **params)
+        return 200, str(answer[0][0])
     except QueryError as error:
         return int(error.status or 0), error.server_message
+    finally:
+        if own:
+            client.close()
 
 
 def _openai_text(question: str, png: bytes | None) -> str:
@@ -340,19 +345,22 @@ def test_killing_a_replica_under_load_ends_every_request_and_the_replacement_ser
     records = []  # (client, stream, question, image, status, text, seconds)
     stop, lock = threading.Event(), threading.Lock()
 
-    def load(index: int) -> None:
+    def load(index: int) -> None:  # clients kept open, so that the replicas rather than the clients are busy
         k = index
-        while not stop.is_set():
-            client, stream = jobs[k % len(jobs)]
-            png, question = images[k % len(images)], (SHAPE_Q, COLOR_Q)[k % 2]
-            began = time.monotonic()
-            send = openai_chat if client == "openai" else nemo_query
-            status, text = send(served.url, question, png, stream)
-            with lock:
-                records.append((client, stream, question, png, status, text, time.monotonic() - began))
-            k += 16
+        with NemoQueryMultimodal(served.url, MODEL, "neva") as nemo:
+            while not stop.is_set():
+                client, stream = jobs[k % len(jobs)]
+                png, question = images[k % len(images)], (SHAPE_Q, COLOR_Q)[k % 2]
+                began = time.monotonic()
+                if client == "openai":
+                    status, text = openai_chat(served.url, question, png, stream)
+                else:
+                    status, text = nemo_query(served.url, question, png, stream, client=nemo)
+                with lock:
+                    records.append((client, stream, question, png, status, text, time.monotonic() - began))
+                k += CLIENTS
 
-    threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(16)]
+    threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(CLIENTS)]
     for thread in threads:
         thread.start()
     time.sleep(3)
@@ -369,7 +377,7 @@ def test_killing_a_replica_under_load_ends_every_request_and_the_replacement_ser
 
     answered = [r for r in records if r[4] == 200]
     failed = [r for r in records if r[4] != 200]
-    assert len(records) > 40 and len(answered) >= len(records) - 16
+    assert len(records) > 40 and len(answered) >= len(records) - CLIENTS
     for client, stream, _, _, status, text, seconds in failed:
         assert stream, f"a {client} request was not retried on the other replica: {status} {text}"
         assert status in (0, 503), (client, status, text)  # 0: an error event after the first piece
