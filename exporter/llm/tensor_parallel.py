@@ -11,6 +11,8 @@ embeds every prompt and decode token (the scheduler's steps broadcast the embedd
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -28,6 +30,7 @@ from .config import DecoderConfig
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 EMBEDDING = "embedding.word_embeddings.weight"
 HEAD = "output_layer.weight"
+LOGGER = logging.getLogger(__name__)
 _ROW_PARALLEL_BIASES = ("self_attention.linear_proj.bias", "mlp.linear_fc2.bias")
 
 
@@ -154,6 +157,17 @@ class TensorParallel:
         """Rank 0's values of ``tensors`` (contiguous, of equal shapes on every rank) copied into every rank's."""
         for tensor in tensors:
             dist.broadcast(tensor, src=0, group=self.group)
+
+    @contextlib.contextmanager
+    def in_step(self) -> Iterator[None]:
+        """Rank 0's part of a step the other ranks run too: a failure inside it leaves them waiting in a collective
+        that never comes, so the process ends (logged; the other ranks end with it)."""
+        try:
+            yield
+        except BaseException as error:  # noqa: BLE001 - the group cannot go on
+            LOGGER.critical("a tensor-parallel step failed on rank 0 (%r); the ranks are out of step: exiting", error)
+            logging.shutdown()
+            os._exit(1)
 
     def send(self, message: Any) -> None:
         """Rank 0: hand ``message`` (picklable) to every other rank's ``receive``."""

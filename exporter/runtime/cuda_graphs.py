@@ -266,12 +266,15 @@ class ForwardStep:
             if pieces:
                 self._fill(pieces, padded)
             chunk, key, layout = None, (decoded, padded, full, lora), ("static", padded) if pieces else None
-        if self.tp is not None:
+        if self.tp is None:
+            logits = self._run(rows, furthest, chunk, key, full, lora, beam_rows, beams_from)
+        else:
             self.tp.send(("launch", self.id, dict(rows=rows, furthest=furthest, full=full, lora=lora, key=key,
                                                   layout=layout, beams_from=beams_from,
                                                   beam_rows=None if beam_rows is None else len(beam_rows))))
-            self._share_inputs(beam_rows, layout, chunk)
-        logits = self._run(rows, furthest, chunk, key, full, lora, beam_rows, beams_from)
+            with self.tp.in_step():
+                self._share_inputs(beam_rows, layout, chunk)
+                logits = self._run(rows, furthest, chunk, key, full, lora, beam_rows, beams_from)
         launched = (LaunchedStep.read_back(self.chooser, 0, logits[:rows], full and beam_rows is not None)
                     if rows else None)
         return launched, logits[decoded: decoded + len(pieces)] if pieces else None
