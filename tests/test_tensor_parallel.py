@@ -279,3 +279,23 @@ def test_tp_bench_runs_tiny(tmp_path):
     assert "TP=2" in done.stdout and "16/16 equal" in done.stdout, done.stdout
     result = json.loads((tmp_path / "tp_bench.json").read_text())
     assert result["equal_prefix"] == result["tokens"] == 16 and result["tp_ms"] > 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h200-x2)")
+def test_two_gpus_as_one(checkpoints):
+    """On 2 GPUs (NCCL, captured decode steps with the collectives inside): a TP=2 engine answers a batch, single
+    requests and a beam search as TP=1 on one GPU, float32."""
+    root, plain, sharded, images, _ = checkpoints
+    options = dict(model_type="neva", dtype="float32", max_batch_size=2, max_input_len=256, max_output_len=24,
+                   max_multimodal_len=128, max_beam_width=2)
+    answers = {}
+    for size in (1, 2):
+        exporter = TensorRTMMExporter(root / f"gpu-tp{size}", device="cuda")
+        exporter.export(sharded, tensor_parallel_size=size, **options)
+        try:
+            answers[size] = (exporter.forward([QUESTION] * 2, images[:2], max_output_len=24),
+                             [exporter.forward([QUESTION], [image], max_output_len=24) for image in images],
+                             exporter.forward([QUESTION], images[2:], max_output_len=24, num_beams=2))
+        finally:
+            exporter.close()
+    assert answers[2] == answers[1]
