@@ -227,6 +227,11 @@ class ForwardStep:
         elif kind == "launch":
             self._follow_launch(**facts[0])
 
+    def close(self) -> None:
+        """Tensor parallel: the other ranks drop their twins of this step (their cache and graphs)."""
+        if self.tp is not None and self.tp.leader:
+            self.tp.send(("close", self.id))
+
     def copy_blocks(self, targets: Tensor, sources: Tensor) -> None:
         """KV-cache block ``targets[i]`` gets the contents of block ``sources[i]`` (on every rank)."""
         if self.tp is not None:
@@ -504,4 +509,5 @@ def activation_bytes(model: Decoder, rows: int, chunk_tokens: int, max_beam_widt
     torch.cuda.reset_peak_memory_stats(device)
     step.launch(rows, 1, [piece], full=True)
     torch.cuda.synchronize(device)
+    step.close()
     return torch.cuda.max_memory_allocated(device) - base

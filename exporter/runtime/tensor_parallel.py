@@ -109,6 +109,8 @@ def follow(model: Decoder) -> None:
                 return
             if message[0] == "new":
                 steps[message[1]] = ForwardStep.follower(model, message[1], message[2])
+            elif message[0] == "close":
+                del steps[message[1]]
             else:
                 steps[message[1]].follow(message)
 
