@@ -75,6 +75,7 @@ def measure(model: Decoder, prompt: int, steps: int) -> tuple[list[float], list[
             seconds.append(time.perf_counter() - started)
         tokens.append(token)
         position += 1
+    step.close()
     return seconds, tokens
 
 
