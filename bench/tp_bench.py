@@ -92,6 +92,7 @@ def _rank(rank: int, size: int, port: int, args: argparse.Namespace, out: Path) 
             seconds, tokens = measure(model, args.prompt, args.steps)
             tp.send(("stop",))
             out.write_text(json.dumps({"seconds": seconds, "tokens": tokens}))
+    torch.distributed.destroy_process_group()
 
 
 def main() -> None:
