@@ -9,11 +9,10 @@ and positions compute on filler (writing to the KV cache's null block) and are d
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import itertools
 
 import torch
 from torch import Tensor
@@ -170,7 +169,7 @@ class ForwardStep:
     ``MAX_PIECES`` pieces or ``max_chunk`` tokens, and every step elsewhere, runs eagerly.
 
     Tensor parallel (the model's ``tp`` set): rank 0's step tells the other ranks' twins (``follower``) what it
-    does (``_tell``: a message, then the chooser's state, the tables and the chunk's metadata broadcast), and every
+    does (a message, then ``_share_inputs``: the chooser's state, the tables and the chunk's metadata), and every
     rank runs the same step, the collectives inside its graph; rank 0 embeds (the embeddings are broadcast inside
     the step) and chooses the tokens. Copies between KV-cache blocks go through ``copy_blocks`` for the same reason.
     """
