@@ -22,8 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from exporter.checkpoint.names import LAYER_KEY, holds_gate_and_up, tp_split_dim
-
+from ..checkpoint.names import LAYER_KEY, holds_gate_and_up, tp_split_dim
 from .config import DecoderConfig
 
 #: Keep NVLink multicast (NVLS) off: set in this process before any group starts, and inherited by its children.
