@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +35,7 @@ LOGGER = logging.getLogger(__name__)
 # A follower waits for rank 0's next step message as long as the server is idle.
 _CONTROL_TIMEOUT = datetime.timedelta(days=365)
 _GROUP_TIMEOUT = datetime.timedelta(minutes=10)
+_WATCH_INTERVAL_S = 0.5
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -79,12 +81,15 @@ class Ranks:
             dist.destroy_process_group()
 
     def _watch(self) -> None:
-        for child in self.children:
-            code = child.wait()
-            if not self._stopping:
-                LOGGER.error("tensor-parallel rank process %d exited (status %s); the model cannot run without "
-                             "it: stopping", child.pid, code)
-                os._exit(1)
+        while not self._stopping:
+            for child in self.children:
+                code = child.poll()
+                if code is not None and not self._stopping:
+                    LOGGER.error("tensor-parallel rank process %d exited (status %s); the model cannot run without "
+                                 "it: stopping", child.pid, code)
+                    logging.shutdown()
+                    os._exit(1)
+            time.sleep(_WATCH_INTERVAL_S)
 
 
 def join(shard: Shard, port: int, device: str) -> TensorParallel:
