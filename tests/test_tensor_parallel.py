@@ -206,18 +206,24 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-@pytest.mark.parametrize("source", ["sharded", "unsharded"])
+@pytest.mark.parametrize("source", ["sharded", "unsharded", "exported"])
 def test_deploy_triton_num_gpus_2_serves_tp1_tokens(checkpoints, source):
     """deploy_triton.py --num_gpus 2 --device cpu: a real PyTriton server over two gloo ranks answers as TP=1,
-    token for token; the other rank runs with NVLink multicast off, and dies with the server (SIGINT, or
-    SIGKILL)."""
+    token for token, exporting a TP=2-sharded .nemo or an unsharded one, or serving the exported engine (at its own
+    size, no --num_gpus); the other rank runs with NVLink multicast off, and dies with the server (SIGINT, or
+    SIGKILL); when it dies first, the server stops."""
     root, plain, sharded, images, expected = checkpoints
     repository = root / f"repo-{source}"
+    if source == "exported":
+        TensorRTMMExporter(repository, device="cpu", load_model=False).export(
+            plain, model_type="neva", dtype="float32", max_batch_size=2, max_input_len=256, max_output_len=12,
+            max_multimodal_len=64, tensor_parallel_size=2, load_model=False)
     http_port, grpc_port = free_port(), free_port()
-    command = [sys.executable, str(REPO / "scripts/deploy_triton.py"), "-vc", str(sharded if source == "sharded"
-               else plain), "-mt", "neva", "-tmn", "tiny", "-tmr", str(repository), "-dt", "float32", "-mbs", "2",
-               "-mil", "256", "-mol", "12", "-mml", "64", "-trp", str(http_port), "--grpc_port", str(grpc_port),
-               "-tha", "127.0.0.1", "--device", "cpu", "--num_gpus", "2"]
+    export = [] if source == "exported" else \
+        ["-vc", str(sharded if source == "sharded" else plain), "-mt", "neva", "--num_gpus", "2"]
+    command = [sys.executable, str(REPO / "scripts/deploy_triton.py"), *export, "-tmn", "tiny", "-tmr",
+               str(repository), "-dt", "float32", "-mbs", "2", "-mil", "256", "-mol", "12", "-mml", "64", "-trp",
+               str(http_port), "--grpc_port", str(grpc_port), "-tha", "127.0.0.1", "--device", "cpu"]
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     log = root / f"server-{source}.log"
@@ -232,10 +238,14 @@ def test_deploy_triton_num_gpus_2_serves_tp1_tokens(checkpoints, source):
         environment = Path(f"/proc/{ranks[0]}/environ").read_bytes().split(b"\0")
         for name, value in MULTICAST_OFF.items():
             assert f"{name}={value}".encode() in environment
+        if source == "exported":
+            os.kill(ranks[0], signal.SIGKILL)
+            assert server.wait(timeout=60) == 1
+            assert "the model cannot run without it" in log.read_text()
     finally:
-        if source == "sharded":
+        if server.poll() is None and source != "unsharded":
             assert stop_server(server, 60) == 0, log.read_text()[-3000:]
-        else:
+        elif server.poll() is None:
             server.send_signal(signal.SIGKILL)
             server.wait()
     assert answers == expected, log.read_text()[-3000:]
