@@ -55,8 +55,8 @@ def test_float32_greedy_tokens_equal_the_cpu():
         pass
     assert [h.result() for h in handles] == expected
     graphs = set(scheduler.forward.graphs)
-    assert (0, 32, False) in graphs, "the first prompts were not prefilled by a captured step"
-    assert any(rows and chunk for rows, chunk, _ in graphs), "the third prompt did not ride on a captured decode step"
+    assert (0, 32, False, False) in graphs, "the first prompts were not prefilled by a captured step"
+    assert any(rows and chunk for rows, chunk, *_ in graphs), "the third prompt did not ride on a captured decode step"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -23,7 +23,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import av
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
@@ -214,7 +213,15 @@ def _image_frames(image: Image.Image, name: str, limits: VideoLimits) -> np.ndar
         raise VideoLoadError(f"cannot decode image {name}: {error}") from None
 
 
+def _pyav():
+    """PyAV, imported on first use, so its FFmpeg libraries load only where videos are read."""
+    import av
+
+    return av
+
+
 def _open_container(source: str | os.PathLike | bytes, name: str):
+    av = _pyav()
     try:
         return av.open(io.BytesIO(source) if isinstance(source, bytes) else os.fspath(source))
     except FileNotFoundError:
@@ -244,6 +251,7 @@ def _check_duration(seconds: float, name: str, limits: VideoLimits) -> None:
 
 def _scan(source: str | os.PathLike | bytes, name: str, limits: VideoLimits) -> int:
     """Check size and duration, then count the frames from the packets (no decoding)."""
+    av = _pyav()
     with _open_container(source, name) as container:
         stream = _video_stream(container, name)
         _check_pixels(stream.codec_context.width, stream.codec_context.height, name, limits)
@@ -271,6 +279,7 @@ def _scan(source: str | os.PathLike | bytes, name: str, limits: VideoLimits) -> 
 
 def _decode(source: str | os.PathLike | bytes, wanted: set[int], name: str, limits: VideoLimits):
     """Decode every frame, keep the wanted ones as RGB arrays; returns (kept frames by index, frames decoded)."""
+    av = _pyav()
     kept: dict[int, np.ndarray] = {}
     index = -1
     with _open_container(source, name) as container:
