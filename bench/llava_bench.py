@@ -14,20 +14,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import transformers
 from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the clone's root: `tools` is not installed
+
 from exporter.llm.config import DecoderConfig
 from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder
-from exporter.nemo_writer import hf_llama_to_nemo
 from exporter.perception.vision_encoder import build_vision_encoder
 from exporter.runtime.cuda_graphs import GraphedCall
 from exporter.runtime.scheduler import Scheduler
+from tools.nemo_writer import hf_llama_to_nemo
 
 FULL = {"vision": dict(hidden_size=1024, intermediate_size=4096, num_hidden_layers=24, num_attention_heads=16,
                        image_size=336, patch_size=14),

@@ -340,7 +340,7 @@ def llava_engine(folder: Path, setting: Setting, words: list[str]) -> Path:
 def write_llava_nemo(path: Path, words: list[str], shape: dict = LLAVA_SHAPE) -> Path:
     """A Neva `.nemo` at `path` of `shape` (default LLaVA-1.5-7B's: CLIP-L/336, mlp2x_gelu, Llama-2-7B) with random
     bf16 weights and a SentencePiece word tokenizer whose pieces are `words`' distinct words."""
-    from exporter.nemo_writer import write_nemo
+    from tools.nemo_writer import write_nemo
 
     tokenizer = path.with_name(path.name + ".tokenizer.model")
     _train_word_tokenizer(tokenizer, words)

@@ -228,13 +228,16 @@ class DeployPyTriton:
 
     def _install_backend_model(self, name: str) -> None:
         """Put this package's backend model (clean errors, input byte caps) in front of PyTriton's in Triton's
-        repository."""
+        repository, and add the model's `triton_model_parameters` to its Triton config."""
         folder = self._workspace.model_store_path / name / str(self.triton_model_version)
         (folder / "model.py").rename(folder / "pytriton_model.py")
         for target, source in _BACKEND_FILES.items():
             shutil.copyfile(Path(__file__).with_name(source), folder / target)
         caps = getattr(self.model, "triton_input_byte_caps", dict)()
         (folder / INPUT_CAPS_FILE).write_text(json.dumps(caps))
+        with (folder.parent / "config.pbtxt").open("a") as config:  # what clients read about the model
+            for key, value in getattr(self.model, "triton_model_parameters", dict)().items():
+                config.write(f"parameters {{ key: {json.dumps(key)} value {{ string_value: {json.dumps(value)} }} }}\n")
 
     def _check_ports(self) -> None:
         ports = []

@@ -3,7 +3,7 @@
 `ServerMetrics` counts requests and errors by kind (`infer`, `stream`, `openai`), reads the in-flight scheduler
 (queue length, running rows, KV-cache use) and the encoder-output cache (hits, misses) at each scrape, and
 records every request's time to first token, time per output token and generated tokens from the scheduler's
-request handles. `MetricsServer` answers `GET /metrics` with them and appends the text of Triton's metrics
+request handles, which the pipeline hands to its `submitted` observers. `MetricsServer` answers `GET /metrics` with them and appends the text of Triton's metrics
 endpoint, which listens on a loopback port of its own.
 """
 
@@ -46,15 +46,16 @@ class ServerMetrics:
             "nemo_mm_time_per_output_token_seconds", "Mean time between a request's tokens after the first",
             buckets=_TOKEN_BUCKETS, registry=self.registry)
         self.generated_tokens = Counter("nemo_mm_generated_tokens", "Tokens generated", registry=self.registry)
-        self._unobserve: Callable[[], None] = lambda: None
+        self._pipeline = pipeline
         if pipeline is not None:
             self.registry.register(_EngineCollector(pipeline))
-            self._unobserve = _observe_submissions(pipeline.scheduler, _HandleWatcher(self._record).add)
+            self._watch = _HandleWatcher(self._record).add
+            pipeline.submitted.append(self._watch)
 
     def close(self) -> None:
-        """Stop observing the scheduler's requests."""
-        self._unobserve()
-        self._unobserve = lambda: None
+        """Stop observing the pipeline's requests."""
+        if self._pipeline is not None and self._watch in self._pipeline.submitted:
+            self._pipeline.submitted.remove(self._watch)
 
     def count(self, kind: str, status: int) -> None:
         """Count one answered request of `kind` with its HTTP status (a 4xx counts as `bad_request`, 503 as
@@ -125,24 +126,6 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("nemo_mm_encoder_cache_hits", "Media whose encoder output was reused",
                                   value=cache["hits"])
         yield CounterMetricFamily("nemo_mm_encoder_cache_misses", "Media encoded", value=cache["misses"])
-
-
-def _observe_submissions(scheduler: Any, observe: Callable[[Any], None]) -> Callable[[], None]:
-    """Hand every request handle the scheduler returns to `observe`; returns the function that stops it."""
-    submit = scheduler.submit
-
-    def observed_submit(*args: Any, **kwargs: Any) -> Any:
-        handle = submit(*args, **kwargs)
-        observe(handle)
-        return handle
-
-    scheduler.submit = observed_submit
-
-    def unobserve() -> None:
-        if scheduler.submit is observed_submit:
-            scheduler.submit = submit
-
-    return unobserve
 
 
 class _HandleWatcher:

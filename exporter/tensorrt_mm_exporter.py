@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from wire import (
+    MODALITIES,
     InferRequest,
     ITritonDeployable,
     RequestRow,
@@ -23,6 +24,7 @@ from wire import (
     lora_uids_per_row,
     multimodal_triton_inputs,
     multimodal_triton_outputs,
+    served_parameters,
     split_request,
 )
 
@@ -39,7 +41,6 @@ from .runtime import Completion, Pipeline, Request
 from .runtime.kv_cache import KVCacheOptions
 from .runtime.tensor_parallel import Ranks
 
-MODALITIES = ("vision", "audio")
 BACKENDS = ("torch",)
 
 
@@ -100,7 +101,7 @@ class TensorRTMMExporter(ITritonDeployable):
         max_input_len: int = 4096,
         max_output_len: int = 256,
         max_batch_size: int = 1,
-        vision_max_batch_size: int = 1,
+        vision_max_batch_size: int | None = None,
         max_multimodal_len: int = 3072,
         dtype: str = "bfloat16",
         delete_existing_files: bool = True,
@@ -129,6 +130,8 @@ class TensorRTMMExporter(ITritonDeployable):
         checkpoint was trained with (see docs/fidelity.md); default the checkpoint's declaration, else ``"nemo-2.5"``.
         ``video_frame_sampling`` (LITA/VITA): ``"training"`` (default) samples frames as NeMo trained the model,
         ``"nemo-export"`` as NeMo's TensorRT export runtime did (see docs/fidelity.md).
+        ``vision_max_batch_size``: the most images, video frames or audio clips one encoder call takes (NeMo's
+        name; default the model type's: 16 images or frames, 8 clips).
         ``quantization``: store the LLM layers' weights as ``int8_wo``, ``int4_wo``, ``int4_awq`` or ``fp8``
         (quantized on this exporter's device; see docs/fidelity.md); ``calib_data``: a text file of prompts, one a
         line, for int4_awq's calibration (default: prompts bundled with the package).
@@ -333,6 +336,11 @@ class TensorRTMMExporter(ITritonDeployable):
                 yield encode_outputs([[piece]])
         finally:
             pieces.close()
+
+    def triton_model_parameters(self) -> dict[str, str]:
+        """The model type and the media kinds it takes, for clients to read from the Triton config."""
+        engine = self._require_pipeline().engine
+        return served_parameters(engine.model_type, engine.perception.media)
 
     def triton_input_byte_caps(self) -> dict[str, int]:
         """Per-request byte caps of the inputs, from the engine's limits and the media policy."""

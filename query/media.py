@@ -1,4 +1,5 @@
-"""Client-side media loading: a path, an http(s) URL, a base64 `data:` URL, bytes, a PIL image or an array.
+"""Client-side media loading: a path, an http(s) URL, a base64 `data:` URL, bytes, a PIL image or an array, put
+on the wire as its media kind says (`wire.media`).
 
 Fetching is `exporter.media_safety`'s with a client policy (any local file, any host, a total time limit and a
 byte cap); every failure is a `MediaError` naming the source and what to change.
@@ -15,14 +16,15 @@ from PIL import Image, UnidentifiedImageError
 from exporter import media_safety
 from exporter.media_safety import MediaError
 from exporter.media_safety import describe_source as _describe
+from wire.media import AUDIO, IMAGE, VIDEO, MediaKind
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_BYTES = 100 * 1024 * 1024
 
 MediaSource = str | os.PathLike | bytes | Image.Image | np.ndarray
 
-__all__ = ["MediaError", "audio_signal", "image_bytes", "image_pixels", "load_image", "read_media_bytes",
-           "video_frames"]
+__all__ = ["MediaError", "audio_signal", "file_bytes", "image_bytes", "image_pixels", "load_image", "media_tensors",
+           "read_media_bytes", "video_frames"]
 
 
 def read_media_bytes(
@@ -107,3 +109,25 @@ def audio_signal(source: MediaSource, **read_options) -> np.ndarray:
     if signal.ndim != 1 or signal.size == 0:
         raise MediaError(f"an audio signal must be a non-empty 1-D array, got shape {list(signal.shape)}")
     return signal
+
+
+def file_bytes(kind: MediaKind, source: MediaSource, **read_options) -> bytes:
+    """One media item as the bytes of its file: an image checked to decode (pixels sent as PNG), a video or an
+    audio clip as it is."""
+    if kind == IMAGE:
+        return image_bytes(source, **read_options)
+    return read_media_bytes(source, **read_options)
+
+
+def media_tensors(kind: MediaKind, source: MediaSource, *, raw: bool = False, **read_options) -> dict[str, np.ndarray]:
+    """One media item's input tensors (without the batch axis), encoded as clients send its kind: the file in
+    `input_media_bytes`, or with `raw` (always, for an array of video frames or audio samples) decoded: an image's
+    pixels `[1, H, W, 3]` or a video's frames in `input_media`, a waveform in `input_signal`."""
+    if kind == AUDIO and (raw or isinstance(source, np.ndarray)):
+        signal = audio_signal(source, **read_options)
+        return {"input_signal": signal, "input_signal_length": np.array([signal.shape[0]], dtype=np.int32)}
+    if kind == VIDEO and (raw or isinstance(source, np.ndarray)):
+        return {"input_media": video_frames(source, **read_options)}  # the server samples the frames
+    if kind == IMAGE and raw:
+        return {"input_media": image_pixels(source, **read_options)[np.newaxis]}
+    return {"input_media_bytes": np.array([file_bytes(kind, source, **read_options)], dtype=object)}

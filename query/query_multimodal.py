@@ -1,35 +1,28 @@
-"""`NemoQueryMultimodal`: send prompts and media to a served multimodal model (NeMo's client, arguments)."""
+"""`NemoQueryMultimodal`: send prompts and media to a served multimodal model (NeMo's client, arguments).
+
+The client holds no table of model types: it reads the media kinds the served model takes (and its model type)
+from the model's Triton config, which `deploy_triton.py` publishes from the model type's declaration.
+"""
 
 from __future__ import annotations
 
 import base64
 import json
-import logging
 import os
-import re
 import threading
 import urllib.error
 import urllib.request
-import warnings
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 from PIL import Image
-from pytriton.client import DecoupledModelClient, ModelClient
-from pytriton.client.exceptions import (
-    PyTritonClientError,
-    PyTritonClientInferenceServerError,
-    PyTritonClientTimeoutError,
-)
-from pytriton.client.utils import TritonUrl
-from pytriton.client.warnings import NotSupportedTimeoutWarning
-from tritonclient.utils import InferenceServerException
 
 from query import media as media_io
+from query.triton_client import QueryError, TritonModel, TritonUrl, server_error_summary
 from wire import (
     LORA_UIDS,
-    MODEL_TYPE_MODALITY,
-    VIDEO_MODEL_TYPES,
+    MediaKind,
+    ServedModel,
     decode_answer,
     lora_uids_per_row,
     param_tensors,
@@ -38,42 +31,7 @@ from wire import (
 
 DEFAULT_INFERENCE_TIMEOUT_S = 300.0
 
-# PyTriton warns on each client that gRPC ignores timeouts outside inference; those that matter still apply.
-warnings.filterwarnings("ignore", category=NotSupportedTimeoutWarning)
-
-
-class _OwnCancellationFilter(logging.Filter):
-    """Drops PyTriton's error log for a stream that `query_stream` cancels because its reader stopped early."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Locally cancelled by application" not in record.getMessage()
-
-
-logging.getLogger("pytriton.client.client").addFilter(_OwnCancellationFilter())
-
 _HTTP_STREAM_INPUTS = ("input_text", "input_media_bytes")  # JSON carries text and files; raw arrays need gRPC
-_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception)): ", re.MULTILINE)
-_WRAPPER_ERRORS = {"TritonModelException", "InferenceServerException"}
-
-
-class QueryError(RuntimeError):
-    """The server refused or failed a request; `server_message` holds Triton's text and `status` its status
-    (an HTTP code such as "400", or a gRPC code such as "StatusCode.INVALID_ARGUMENT"), when the server answered."""
-
-    def __init__(self, message: str, server_message: str = "", status: str | None = None):
-        super().__init__(message)
-        self.server_message = server_message
-        self.status = status
-
-
-def server_error_summary(message: str) -> str:
-    """The model's own `XxxError: text` out of Triton's wrapped traceback, or the message as it is."""
-    message = message.split("\n\n\n\nAt:")[0]
-    matches = [m for m in _ERROR_LINE.finditer(message) if m.group(1) not in _WRAPPER_ERRORS]
-    if not matches:
-        return message.strip()
-    last = matches[-1]
-    return f"{last.group(1)}: {message[last.end() :].strip()}"
 
 
 def _as_list(value, single_types: tuple[type, ...]) -> list:
@@ -89,9 +47,10 @@ class NemoQueryMultimodal:
         nq = NemoQueryMultimodal(url="localhost:8000", model_name="neva", model_type="neva")
         print(nq.query(input_text="What is in this image?", input_media="cat.jpg", max_output_len=30))
 
-    Images go on the wire encoded (`input_media_bytes`); `raw_pixels=True` sends decoded pixels as
-    `input_media` (video frames; the waveform for salm) as NeMo's client did. One Triton client is opened on
-    the first query and kept; use one object per thread for concurrent queries.
+    Media go on the wire as files (`input_media_bytes`); `raw_pixels=True` sends them decoded as NeMo's client did:
+    pixels or video frames as `input_media`, an audio clip's waveform as `input_signal`. `model_type` must be the
+    served model's (checked against what the server publishes). One Triton connection is opened on the first query
+    and kept; use one object per thread for concurrent queries.
     """
 
     def __init__(
@@ -104,17 +63,14 @@ class NemoQueryMultimodal:
         media_timeout_s: float = media_io.DEFAULT_TIMEOUT_S,
         media_max_bytes: int = media_io.DEFAULT_MAX_BYTES,
     ):
-        if model_type not in MODEL_TYPE_MODALITY:
-            raise ValueError(
-                f"unknown model_type {model_type!r}; choose one of {', '.join(MODEL_TYPE_MODALITY)}"
-            )
+        TritonUrl.parse(url)  # a bad URL fails here
         self.url = url
         self.model_name = model_name
         self.model_type = model_type
         self.raw_pixels = raw_pixels
         self._read_options = {"timeout_s": media_timeout_s, "max_bytes": media_max_bytes}
-        self._client = None
-        self._client_timeouts: tuple[float, float] | None = None
+        self._model: TritonModel | None = None
+        self._model_timeouts: tuple[float, float] | None = None
         self._lock = threading.Lock()
 
     def query(
@@ -141,29 +97,25 @@ class NemoQueryMultimodal:
         medias = _as_list(input_media, (str, os.PathLike, bytes, np.ndarray, Image.Image))
         if any(not isinstance(text, str) for text in texts):
             raise TypeError("input_text must be a str or a list of str")
-        media_rows = [self._media_inputs(media) for media in medias]
-        if len(media_rows) == 1 and len(texts) > 1:
-            media_rows *= len(texts)
-        elif len(texts) == 1 and len(media_rows) > 1:
-            texts *= len(media_rows)
-        elif len(texts) != len(media_rows):
-            raise ValueError(
-                f"got {len(texts)} prompts but {len(media_rows)} media; give one media or one each"
-            )
+        if len(medias) == 1 and len(texts) > 1:
+            medias *= len(texts)
+        elif len(texts) == 1 and len(medias) > 1:
+            texts *= len(medias)
+        elif len(texts) != len(medias):
+            raise ValueError(f"got {len(texts)} prompts but {len(medias)} media; give one media or one each")
         params = {
             "batch_size": batch_size, "max_output_len": max_output_len, "top_k": top_k, "num_beams": num_beams,
             "top_p": top_p, "temperature": temperature, "repetition_penalty": repetition_penalty,
         }
-        rows = [
-            {"input_text": np.array([text.encode("utf-8")], dtype=np.bytes_), **media_row,
-             **param_tensors({**params, LORA_UIDS: [uid] if uid else None})}
-            for text, media_row, uid in zip(texts, media_rows, lora_uids_per_row(lora_uids, len(texts)))
-        ]
+        row_params = [param_tensors({**params, LORA_UIDS: [uid] if uid else None})
+                      for uid in lora_uids_per_row(lora_uids, len(texts))]
         with self._lock:
-            client = self._open_client(init_timeout, inference_timeout)
+            model = self._open_model(init_timeout, inference_timeout)
+            rows = [self._row(text, media, model.served, tensors)
+                    for text, media, tensors in zip(texts, medias, row_params, strict=True)]
             answers: list[np.ndarray | None] = [None] * len(rows)
-            for indices in _request_groups(rows, max(1, self._max_rows(client))):
-                outputs = self._infer(client, _stack([rows[i] for i in indices]), inference_timeout)
+            for indices in _request_groups(rows, max(1, model.served.max_batch_size)):
+                outputs = self._infer(model, _stack([rows[i] for i in indices]))
                 for index, output in zip(indices, outputs, strict=True):
                     answers[index] = output
         return np.array([[decode_answer(answer) for answer in row] for row in answers])
@@ -194,18 +146,23 @@ class NemoQueryMultimodal:
             "max_output_len": max_output_len, "top_k": top_k, "top_p": top_p, "temperature": temperature,
             "repetition_penalty": repetition_penalty, LORA_UIDS: _row_uid(lora_uids),
         })
-        row = {"input_text": np.array([input_text.encode("utf-8")], dtype=np.bytes_)}
-        row.update(self._media_inputs(input_media), **params)
-        url = TritonUrl.from_url(self.url)
-        model_name = stream_model_name(self.model_name)
-        if url.scheme == "grpc":
-            return _grpc_stream(url.with_scheme, model_name, row, init_timeout, inference_timeout)
-        return _http_stream(url.with_scheme, model_name, _generate_json(row), inference_timeout)
+        model = TritonModel(self.url, stream_model_name(self.model_name), init_timeout=init_timeout,
+                            inference_timeout=inference_timeout)
+        try:
+            row = self._row(input_text, input_media, model.served, params)
+            if model.url.scheme == "grpc":
+                return _grpc_stream(model, row)
+            body = _generate_json(row)
+        except BaseException:
+            model.close()
+            raise
+        model.close()
+        return _http_stream(str(model.url), model.model_name, body, inference_timeout)
 
     def close(self) -> None:
-        """Close the Triton client (a later query opens a new one)."""
+        """Close the Triton connection (a later query opens a new one)."""
         with self._lock:
-            self._close_client()
+            self._close_model()
 
     def __enter__(self) -> NemoQueryMultimodal:
         return self
@@ -213,99 +170,54 @@ class NemoQueryMultimodal:
     def __exit__(self, *_) -> None:
         self.close()
 
-    def _media_inputs(self, media) -> dict[str, np.ndarray]:
+    def _row(self, text: str, media, served: ServedModel, params: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """One prompt's tensors (without the batch axis), its media encoded for the served model's default kind."""
+        if served.model_type is not None and served.model_type != self.model_type:
+            raise QueryError(f"model {self.model_name!r} at {self.url} is a {served.model_type!r} model, not "
+                             f"{self.model_type!r}; pass model_type={served.model_type!r}")
+        return {"input_text": np.array([text.encode("utf-8")], dtype=np.bytes_),
+                **self._media_inputs(media, served.media[0]), **params}
+
+    def _media_inputs(self, media, kind: MediaKind) -> dict[str, np.ndarray]:
         """One row's media tensors (without the batch axis); a list or tuple is several items for one prompt."""
         if media is None:
             return {}
         if isinstance(media, (list, tuple)):
             if self.raw_pixels:
                 raise ValueError("several media items per prompt go encoded; do not set raw_pixels")
-            encoded = [self._encoded(item) for item in media]
+            encoded = [media_io.file_bytes(kind, item, **self._read_options) for item in media]
             return {"input_media_bytes": np.array(encoded, dtype=object)}
-        options = self._read_options
-        if self.model_type == "salm" and (self.raw_pixels or isinstance(media, np.ndarray)):
-            signal = media_io.audio_signal(media, **options)
-            return {"input_signal": signal, "input_signal_length": np.array([signal.shape[0]], dtype=np.int32)}
-        if self.model_type in VIDEO_MODEL_TYPES and (self.raw_pixels or isinstance(media, np.ndarray)):
-            return {"input_media": media_io.video_frames(media, **options)}  # the server samples the frames
-        if self.raw_pixels and self.model_type not in VIDEO_MODEL_TYPES and self.model_type != "salm":
-            return {"input_media": media_io.image_pixels(media, **options)[np.newaxis]}
-        return {"input_media_bytes": np.array([self._encoded(media)], dtype=object)}
+        return media_io.media_tensors(kind, media, raw=self.raw_pixels, **self._read_options)
 
-    def _encoded(self, media) -> bytes:
-        """One media item as the bytes of its file: images re-encoded as needed, videos and audio as they are."""
-        if self.model_type == "salm" or self.model_type in VIDEO_MODEL_TYPES:
-            return media_io.read_media_bytes(media, **self._read_options)
-        return media_io.image_bytes(media, **self._read_options)
+    def _open_model(self, init_timeout: float, inference_timeout: float) -> TritonModel:
+        if self._model is not None and self._model_timeouts != (init_timeout, inference_timeout):
+            self._close_model()
+        if self._model is None:
+            self._model = TritonModel(self.url, self.model_name, init_timeout=init_timeout,
+                                      inference_timeout=inference_timeout)
+            self._model_timeouts = (init_timeout, inference_timeout)
+        return self._model
 
-    def _open_client(self, init_timeout: float, inference_timeout: float) -> ModelClient:
-        if self._client is not None and self._client_timeouts != (init_timeout, inference_timeout):
-            self._close_client()
-        if self._client is None:
-            self._client = ModelClient(
-                self.url, self.model_name, init_timeout_s=init_timeout, inference_timeout_s=inference_timeout
-            )
-            self._client_timeouts = (init_timeout, inference_timeout)
-        return self._client
+    def _close_model(self) -> None:
+        if self._model is not None:
+            self._model.close()
+            self._model = None
 
-    def _close_client(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
-    def _max_rows(self, client: ModelClient) -> int:
+    def _infer(self, model: TritonModel, inputs: dict[str, np.ndarray]) -> np.ndarray:
         try:
-            return client.model_config.max_batch_size
-        except PyTritonClientError as error:
-            self._close_client()
-            raise QueryError(
-                f"model {self.model_name!r} at {self.url} is not available: {error.message}", error.message
-            ) from None
-
-    def _infer(
-        self, client: ModelClient, inputs: dict[str, np.ndarray], inference_timeout: float
-    ) -> np.ndarray:
-        try:
-            return client.infer_batch(**inputs)["outputs"]
-        except PyTritonClientError as error:
-            if not isinstance(error, PyTritonClientInferenceServerError):
-                self._close_client()
-            raise _query_error(error, inference_timeout) from None
+            return model.infer(inputs)
+        except QueryError as error:
+            if error.status is None:  # no answer from the server: connect again next time
+                self._close_model()
+            raise
 
 
-def _query_error(error: PyTritonClientError, inference_timeout: float) -> QueryError:
-    """A failed Triton call as a QueryError: the server's own message, a timeout, or the client's failure."""
-    if isinstance(error, PyTritonClientInferenceServerError):
-        server = error.__cause__  # Triton's own error, which PyTriton's client wraps
-        if isinstance(server, InferenceServerException):
-            message = server.message()
-            return QueryError(f"the server failed the request: {server_error_summary(message)}", message,
-                              server.status())
-        return QueryError(f"the server failed the request: {server_error_summary(error.message)}", error.message)
-    if isinstance(error, PyTritonClientTimeoutError):
-        return QueryError(f"no answer within {inference_timeout} s (inference_timeout)", error.message)
-    return QueryError(f"the query failed: {error.message}", error.message)
-
-
-def _grpc_stream(
-    url: str, model_name: str, row: dict[str, np.ndarray], init_timeout: float, inference_timeout: float
-) -> Iterator[str]:
-    client = DecoupledModelClient(url, model_name, init_timeout_s=init_timeout, inference_timeout_s=inference_timeout)
-    responses = None
-    finished = False
+def _grpc_stream(model: TritonModel, row: dict[str, np.ndarray]) -> Iterator[str]:
     try:
-        responses = client.infer_sample(**row)
-        for result in responses:
-            yield decode_answer(result["outputs"][0])
-        finished = True
-    except PyTritonClientError as error:
-        raise _query_error(error, inference_timeout) from None
+        for beams in model.stream(row):
+            yield decode_answer(beams[0])
     finally:
-        if not finished:  # PyTriton's close() would wait for the rest of the answer: cancel the stream instead
-            client._infer_client.stop_stream(cancel_requests=True)
-        if responses is not None:
-            responses.close()
-        client.close()
+        model.close()
 
 
 def _http_stream(url: str, model_name: str, body: dict[str, object], inference_timeout: float) -> Iterator[str]:

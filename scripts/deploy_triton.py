@@ -26,8 +26,8 @@ from pathlib import Path  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from deploy import DeployPyTriton  # noqa: E402
-from deploy.startup import DeployError, check_model_repository, check_port_free  # noqa: E402
-from wire import MODEL_TYPE_MODALITY, modality_of, stream_model_name  # noqa: E402
+from deploy.startup import MANIFEST_NAME, DeployError, check_model_repository, check_port_free  # noqa: E402
+from wire import MODALITIES, stream_model_name  # noqa: E402
 
 LOGGER = logging.getLogger("deploy_triton")
 PREFETCH_THREADS = 4
@@ -43,13 +43,13 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
         "-mod",
         "--modality",
         str,
-        ("vision", "audio"),
+        MODALITIES,
         None,
         "modality of the model (default: from --model_type)",
     ),
     ("-vc", "--visual_checkpoint", str, None, None, "source .nemo file of the multimodal model to export"),
     ("-lc", "--llm_checkpoint", str, None, None, "source .nemo file of the LLM, if separate"),
-    ("-mt", "--model_type", str, tuple(MODEL_TYPE_MODALITY), None, "type of the model"),
+    ("-mt", "--model_type", str, None, None, "type of the model (one registered in exporter/models/)"),
     ("-lmt", "--llm_model_type", str, LLM_MODEL_TYPES, "llama", "type of the LLM"),
     ("-tmn", "--triton_model_name", str, None, None, "name clients query the model by (required)"),
     ("-tmv", "--triton_model_version", int, None, 1, "version of the served model"),
@@ -71,7 +71,8 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     ("-mol", "--max_output_len", int, None, 256, "max output length in tokens"),
     ("-mbs", "--max_batch_size", int, None, 1, "max prompts batched together"),
     ("-mml", "--max_multimodal_len", int, None, 3072, "max number of media features in a batch"),
-    ("-vmb", "--vision_max_batch_size", int, None, 1, "max images (video frames) encoded at once"),
+    ("-vmb", "--vision_max_batch_size", int, None, None,
+     "max images, video frames or audio clips encoded at once (default: the model type's, 16 or 8 clips)"),
     (None, "--max_beam_width", int, None, 1, "max num_beams of a request (each beam takes a KV-cache row)"),
     ("-ulp", "--use_lora_plugin", str, ("auto", "float16", "float32", "bfloat16"), None,
      "serve LoRA adapters (they run in the model dtype)"),
@@ -261,10 +262,12 @@ def _validate(settings: dict) -> None:
         from exporter.llm.config import QuantConfig  # the exporter only when asked (the script starts without it)
 
         QuantConfig(settings["quantization"])  # an unknown method fails here, naming the supported ones
+    if settings["triton_model_repository"] is None:
+        settings["triton_model_repository"] = str(Path(tempfile.gettempdir()) / "trt_model_dir")
     if settings["visual_checkpoint"] and not settings["model_type"]:
         raise ValueError("exporting a checkpoint needs -mt/--model_type")
     if settings["model_type"]:
-        expected = modality_of(settings["model_type"])
+        expected = _modality_of(settings)
         if settings["modality"] not in (None, expected):
             raise ValueError(
                 f"--model_type {settings['model_type']} takes --modality {expected}, "
@@ -276,8 +279,22 @@ def _validate(settings: dict) -> None:
         media_policy(argparse.Namespace(**settings))  # a bad media option fails here, before anything starts
     except ValueError as error:
         raise ValueError(f"a --media_* option is invalid: {error}") from None
-    if settings["triton_model_repository"] is None:
-        settings["triton_model_repository"] = str(Path(tempfile.gettempdir()) / "trt_model_dir")
+
+
+def _modality_of(settings: dict) -> str:
+    """The modality of --model_type. An engine of that type in the repository records it in its manifest, read
+    without importing the exporter (so the engine's files are prefetched while the exporter is imported); else the
+    model-type registry says."""
+    if not settings["visual_checkpoint"]:
+        try:
+            served = json.loads((Path(settings["triton_model_repository"]) / MANIFEST_NAME).read_text())
+        except (OSError, ValueError):
+            served = None  # no engine there (check_model_repository says so later)
+        if isinstance(served, dict) and served.get("model_type") == settings["model_type"] and served.get("modality"):
+            return served["modality"]
+    from exporter.models import get_model_type  # the registry only when it must say
+
+    return get_model_type(settings["model_type"]).modality
 
 
 def build_deployable(settings: argparse.Namespace):

@@ -10,7 +10,6 @@ from pathlib import Path
 # This script shares its name with the `query` package: keep its own folder off the import path.
 sys.path = [entry for entry in sys.path if Path(entry or ".").resolve() != Path(__file__).resolve().parent]
 
-from wire import MODEL_TYPE_MODALITY  # noqa: E402
 from query import MediaError, NemoQueryMultimodal, QueryError  # noqa: E402
 from query.media import DEFAULT_TIMEOUT_S  # noqa: E402
 from query.query_multimodal import DEFAULT_INFERENCE_TIMEOUT_S  # noqa: E402
@@ -25,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("-mn", "--model_name", required=True, help="name of the served model")
     parser.add_argument(
-        "-mt", "--model_type", required=True, choices=tuple(MODEL_TYPE_MODALITY), help="model type"
+        "-mt", "--model_type", required=True, help="model type of the served model (its deploy_triton.py --model_type)"
     )
     parser.add_argument("-int", "--input_text", required=True, help="the prompt")
     parser.add_argument(

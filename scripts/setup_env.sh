@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs the project with its test extras. Used by the quick start and by CI.
+# Creates .venv (if missing) and installs the project with its test extras (`.[test]`: the engine, Triton serving,
+# the OpenAI front, ONNX export and the test tools). Used by the quick start and by CI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then

@@ -17,7 +17,7 @@ import torch
 
 from exporter.perception.audio import AudioPerception, AudioPerceptionError, export_audio_onnx
 from exporter.perception.audio.features import slaney_mel_filterbank
-from nemo_reference_env import NEMO_VERSIONS, NemoEnvUnavailable, nemo_python, run_reference
+from support.nemo_reference_env import NEMO_VERSIONS, NemoEnvUnavailable, nemo_python, run_reference
 
 SAMPLE_RATE = 16000
 PREPROCESSOR = "nemo.collections.asr.modules.AudioToMelSpectrogramPreprocessor"

@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from exporter.checkpoint import NemoCheckpoint, NemoCheckpointError
-from exporter.nemo_writer import hf_llama_to_nemo, tar_directory, write_nemo
+from tools.nemo_writer import hf_llama_to_nemo, tar_directory, write_nemo
 
 torch.set_num_threads(1)
 

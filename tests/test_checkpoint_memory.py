@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from exporter.nemo_writer import write_nemo
+from support.decoders import BIG_CONFIG
+from tools.nemo_writer import write_nemo
 
 MB = 1 << 20
 
@@ -31,21 +32,6 @@ peak = peak_rss()
 size = sum(t.numel() * t.element_size() for t in weights.values())
 print(json.dumps({"growth": peak - baseline, "weights": size}))
 """
-
-# ~580 MB of float32: 10 layers of ~51 MB (largest tensor, fc1, 23 MB) plus two 33 MB vocabulary matrices.
-# Above ~430 MB a loader holding two copies of the weights (2 W) exceeds the limit: the test can catch one.
-BIG_CONFIG = {
-    "num_layers": 10,
-    "hidden_size": 1024,
-    "ffn_hidden_size": 2816,
-    "num_attention_heads": 16,
-    "num_query_groups": 16,
-    "kv_channels": 64,
-    "activation": "fast-swiglu",
-    "normalization": "rmsnorm",
-    "bias": True,
-}
-
 
 pytestmark = pytest.mark.skipif(
     not Path("/proc/self/status").exists(), reason="needs Linux /proc for peak RSS"

@@ -20,42 +20,18 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from exporter.checkpoint import NemoCheckpoint, NemoCheckpointError
 from exporter.llm.tokenizer import TokenizerError, load_tokenizer
-from exporter.nemo_writer import write_nemo
-
-METADATA = "model_weights/.metadata"
-
+from support.archives import (
+    METADATA,
+    replace_member,
+    unicode_op,
+    via_global,
+    via_inst,
+    via_obj,
+    via_stack_global,
+)
+from tools.nemo_writer import write_nemo
 
 # -- pickle opcodes, assembled by hand -------------------------------------------------------------------------
-
-
-def _text(value: str) -> bytes:
-    data = value.encode()
-    return b"X" + len(data).to_bytes(4, "little") + data  # BINUNICODE
-
-
-def _short(value: str) -> bytes:
-    data = value.encode()
-    return b"\x8c" + bytes([len(data)]) + data  # SHORT_BINUNICODE
-
-
-def via_global(module: str, name: str, arg: str) -> bytes:
-    """Protocol 2: GLOBAL module name; (arg,); REDUCE."""
-    return b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"(" + _text(arg) + b"tR."
-
-
-def via_stack_global(module: str, name: str, arg: str) -> bytes:
-    """Protocol 4: STACK_GLOBAL from two strings; TUPLE1; REDUCE."""
-    return b"\x80\x04" + _short(module) + _short(name) + b"\x93" + _short(arg) + b"\x85R."
-
-
-def via_inst(module: str, name: str, arg: str) -> bytes:
-    """Protocol 0: MARK arg INST module name (calls the class or function with the arguments)."""
-    return b"(" + _text(arg) + b"i" + f"{module}\n{name}\n".encode() + b"."
-
-
-def via_obj(module: str, name: str, arg: str) -> bytes:
-    """Protocol 1: MARK GLOBAL arg OBJ."""
-    return b"(c" + f"{module}\n{name}\n".encode() + _text(arg) + b"o."
 
 
 def build_on(module: str, name: str, state: bytes) -> bytes:
@@ -65,7 +41,7 @@ def build_on(module: str, name: str, state: bytes) -> bytes:
 
 def slot_state(key: str, value: bytes) -> bytes:
     """The BUILD state `(None, {key: value})`: `setattr(target, key, value)`."""
-    return b"N}" + _text(key) + value + b"s\x86"
+    return b"N}" + unicode_op(key) + value + b"s\x86"
 
 
 ROUTES = {"global": via_global, "stack_global": via_stack_global, "inst": via_inst, "obj": via_obj}
@@ -111,18 +87,6 @@ def dist_nemo(tmp_path_factory, tiny_gpt_weights) -> Path:
                       layout="torch_dist")
 
 
-def replace_member(source: Path, target: Path, name: str, data: bytes) -> Path:
-    """A copy of tar `source` with member `name` (without its `./`) holding `data`."""
-    with tarfile.open(source) as src, tarfile.open(target, "w") as dst:
-        for member in src.getmembers():
-            if member.name.removeprefix("./") == name:
-                member.size = len(data)
-                dst.addfile(member, io.BytesIO(data))
-            else:
-                dst.addfile(member, src.extractfile(member) if member.isfile() else None)
-    return target
-
-
 def read_with_metadata(dist_nemo: Path, tmp_path: Path, data: bytes) -> None:
     NemoCheckpoint(replace_member(dist_nemo, tmp_path / "gadget.nemo", METADATA, data)).state_dict()
 
@@ -158,13 +122,13 @@ def test_build_cannot_change_a_class_a_function_or_a_singleton(dist_nemo, tmp_pa
     gadgets = [
         build_on("torch.distributed.checkpoint.metadata", "Metadata", slot_state("evil", b"K\x01")),
         build_on("torch.distributed.checkpoint.metadata", "TensorProperties", slot_state("__setstate__", b"N")),
-        build_on("torch.distributed.checkpoint.filesystem", "_StorageInfo", b"}" + _text("evil") + b"K\x01s"),
-        build_on("torch.serialization", "_get_layout", b"}" + _text("cache") + b"}s"),
+        build_on("torch.distributed.checkpoint.filesystem", "_StorageInfo", b"}" + unicode_op("evil") + b"K\x01s"),
+        build_on("torch.serialization", "_get_layout", b"}" + unicode_op("cache") + b"}s"),
         build_on("torch", "float32", slot_state("evil", b"K\x01")),
         build_on("pathlib", "PosixPath", slot_state("__fspath__", b"N")),
         # _MEM_FORMAT_ENCODING(0) is the shared CONTIGUOUS member; BUILD would rewrite its value
         b"\x80\x02ctorch.distributed.checkpoint.metadata\n_MEM_FORMAT_ENCODING\nK\x00\x85R}"
-        + _text("_value_") + b"K\x07sb.",
+        + unicode_op("_value_") + b"K\x07sb.",
     ]
     layout_cache = dict(torch.serialization._get_layout.cache)
     for gadget in gadgets:
@@ -179,12 +143,12 @@ def test_build_cannot_change_a_class_a_function_or_a_singleton(dist_nemo, tmp_pa
 
 @pytest.mark.parametrize("gadget, problem", [
     (b"\x80\x02\x82\x01.", "extension code"),  # EXT1: a registry lookup by number
-    (b"\x80\x02" + _text("id") + b"Q.", "persistent id"),  # BINPERSID
-    (b"\x80\x02ctorch.serialization\n_get_layout\n" + b"(" + _text("os") + b"tR.", "unknown tensor layout"),
-    (b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n" + b"(" + _text("not a dict") + b"tR.",
+    (b"\x80\x02" + unicode_op("id") + b"Q.", "persistent id"),  # BINPERSID
+    (b"\x80\x02ctorch.serialization\n_get_layout\n" + b"(" + unicode_op("os") + b"tR.", "unknown tensor layout"),
+    (b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n" + b"(" + unicode_op("not a dict") + b"tR.",
      "malformed"),
     (pickle.dumps({"state_dict_metadata": {}}), "not a Metadata"),
-    (b"\x80\x02ctorch\nSize\n" + b"(" + _text("xyz") + b"tR.", "metadata"),  # torch.Size("xyz"): a TypeError
+    (b"\x80\x02ctorch\nSize\n" + b"(" + unicode_op("xyz") + b"tR.", "metadata"),  # torch.Size("xyz"): a TypeError
     (b"garbage" * 10, "not a readable torch_dist metadata"),
 ])
 def test_other_hostile_streams_are_one_clear_error(dist_nemo, tmp_path, gadget, problem):

@@ -32,7 +32,9 @@ from exporter.engine.progress import byte_progress
 from exporter.engine.safetensors_format import read_header
 from exporter.engine.writing import write_tensors
 from exporter.llm import gemv
-from vlm_fixtures import build_vlm, random_image, tokenizer_file
+from support.media import random_image
+from support.tokenizer_files import tokenizer_file
+from support.vlm import build_vlm
 
 MB = 1 << 20
 IDENTITY = {"gpu": "Fake GPU 80GB", "capability": "9.0", "torch": "2.11.0", "cuda": "12.8", "triton": "3.5.0",
@@ -175,7 +177,7 @@ def test_loading_engine_weights_on_cpu_copies_nothing(tmp_path, tiny_gpt_weights
     """~580 MB of float32 weights: after a forward pass has read all of them, the process holds them once (as the
     file's pages), and no anonymous copy."""
     from exporter.llm.config import DecoderConfig
-    from test_checkpoint_memory import BIG_CONFIG
+    from support.decoders import BIG_CONFIG
 
     weights = tiny_gpt_weights(BIG_CONFIG, vocab=8192)
     weights = {k: v for k, v in weights.items() if "mm_projector" not in k}

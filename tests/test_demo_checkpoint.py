@@ -1,4 +1,4 @@
-"""Light checks of the demo builder (scripts/make_demo_checkpoint.py) and of the demo checkpoint it ships.
+"""Light checks of the demo builder (tools/make_demo_checkpoint.py) and of the demo checkpoint it ships.
 
 The accuracy of the exported demo model is tested elsewhere; here: the generated images show what their labels
 say, answers follow the question, training sequences match the v1 prompt, and demo/ holds a real .nemo.
@@ -14,11 +14,10 @@ import pytest
 import yaml
 from PIL import Image
 
-from conftest import load_demo_builder
 from exporter.models.templates import IMAGE_PLACEHOLDER, get_template
+from support.demo import DEMO_NEMO, load_demo_builder
 
 ROOT = Path(__file__).resolve().parents[1]
-DEMO_NEMO = ROOT / "demo" / "neva_demo.nemo"
 SAMPLE_NAMES = ("red_circle", "blue_triangle", "green_square", "yellow_circle")
 # Fill ratio of a shape inside its bounding box: square 1, circle pi/4, triangle 1/2.
 FILL_RATIO = {"square": (0.93, 1.01), "circle": (0.70, 0.86), "triangle": (0.42, 0.62)}
@@ -92,7 +91,7 @@ def test_training_sequence_matches_v1_prompt(tmp_path):
 
 
 def test_shipped_checkpoint_is_a_nemo_tar():
-    assert DEMO_NEMO.is_file(), "run scripts/make_demo_checkpoint.py to build demo/neva_demo.nemo"
+    assert DEMO_NEMO.is_file(), "run python -m tools.make_demo_checkpoint to build demo/neva_demo.nemo"
     with tarfile.open(DEMO_NEMO) as tar:
         names = {name.removeprefix("./") for name in tar.getnames()}
         config = yaml.safe_load(tar.extractfile("./model_config.yaml"))

@@ -8,11 +8,9 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -21,12 +19,22 @@ from PIL import Image
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from conftest import stop_server, wait_until_ready
 from deploy import DeployError, DeployPyTriton, PortInUseError
 from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
-from serving_support import assert_short_error, grpc_infer, http_infer, json_tensor, poll_ready
-from stub_model import StubMultimodalModel, describe_pixels, expected_answer
+from support.servers import (
+    DEPLOY_SCRIPT,
+    assert_short_error,
+    deploy_script,
+    grpc_infer,
+    http_infer,
+    json_tensor,
+    poll_ready,
+    query_concurrently,
+    stop_server,
+    wait_until_ready,
+)
+from support.stub_model import StubMultimodalModel, describe_pixels, expected_answer
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "stub"
@@ -66,24 +74,6 @@ def _params(k: int) -> dict:
     }
 
 
-def _query_concurrently(server, jobs) -> list:
-    """Run `jobs` (prompt, media, params) at once, half over HTTP, half over gRPC; answers or errors."""
-    _, http_url, grpc_url, _ = server
-    start = threading.Barrier(len(jobs))
-
-    def run(index: int):
-        prompt, media, params = jobs[index]
-        with NemoQueryMultimodal(http_url if index % 2 else grpc_url, MODEL, "neva") as client:
-            start.wait(timeout=30)
-            try:
-                return client.query(prompt, media, init_timeout=30, inference_timeout=30, **params)
-            except QueryError as error:
-                return error
-
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(run, range(len(jobs)), timeout=60))
-
-
 def test_model_is_warmed_up_and_configured(server):
     model, http_url, _, _ = server
     assert model.prompts[0] == ["Describe this."]  # the warm-up ran before Triton loaded the model
@@ -99,7 +89,7 @@ def test_model_is_warmed_up_and_configured(server):
 def test_concurrent_requests_each_get_their_own_answer(server):
     model = server[0]
     jobs = [(f"prompt-{k}", _image(k), _params(k)) for k in range(8)]
-    answers = _query_concurrently(server, jobs)
+    answers = query_concurrently(server[1], server[2], MODEL, jobs, timeout_s=30)
     for k, answer in enumerate(answers):
         params = _params(k)
         beams = params.pop("num_beams")
@@ -112,7 +102,7 @@ def test_concurrent_requests_each_get_their_own_answer(server):
 
 def test_bad_request_fails_alone_among_concurrent_ones(server):
     jobs = [(f"batch-{k}", _image(k), {"temperature": 0.0 if k == 3 else 1.0}) for k in range(8)]
-    answers = _query_concurrently(server, jobs)
+    answers = query_concurrently(server[1], server[2], MODEL, jobs, timeout_s=30)
     assert isinstance(answers[3], QueryError)
     assert str(answers[3]) == "the server failed the request: ValueError: temperature must be > 0, got 0.0"
     for k, answer in enumerate(answers):
@@ -276,7 +266,7 @@ def _write_fake_exporter(root: Path) -> None:
     """An `exporter` package whose TensorRTMMExporter is the stub, shadowing the real one for the script."""
     package = root / "exporter"
     package.mkdir()
-    (package / "__init__.py").write_text("from stub_model import StubMultimodalModel as TensorRTMMExporter\n")
+    (package / "__init__.py").write_text("from support.stub_model import StubMultimodalModel as TensorRTMMExporter\n")
 
 
 def test_scripts_serve_and_query_from_plain_python(tmp_path):
@@ -417,7 +407,7 @@ def test_ready_means_answering_and_a_restart_after_sigkill_gets_the_same_ports(t
 
 
 def test_script_refuses_a_missing_repository(tmp_path, capsys):
-    deploy_triton = _deploy_script()
+    deploy_triton = deploy_script()
     port_flags = ["-trp", str(free_port()), "--grpc_port", str(free_port()), "-tha", "127.0.0.1"]
     assert deploy_triton.main(["-tmn", MODEL, "-tmr", str(tmp_path / "absent"), *port_flags]) == 1
     assert "does not exist" in capsys.readouterr().err
@@ -425,17 +415,21 @@ def test_script_refuses_a_missing_repository(tmp_path, capsys):
     assert f"{tmp_path} has no manifest.json" in capsys.readouterr().err
 
 
-def _deploy_script():
-    sys.path.insert(0, str(REPO / "scripts"))
-    try:
-        import deploy_triton
-    finally:
-        sys.path.pop(0)
-    return deploy_triton
+def test_serving_an_engine_takes_the_modality_from_its_manifest_without_the_exporter(tmp_path):
+    """The served engine's manifest says the modality of its model type, so validating the flags imports no model
+    type (the engine's files are prefetched while the exporter is imported); another type asks the registry."""
+    (tmp_path / "manifest.json").write_text(json.dumps({"model_type": "salm", "modality": "audio"}))
+    child = (f"import sys; sys.path.insert(0, {str(DEPLOY_SCRIPT.parent)!r}); import deploy_triton; "
+             f"s = deploy_triton.parse_settings(['-tmn', 'm', '-mt', sys.argv[1], '-tmr', {str(tmp_path)!r}]); "
+             "print(s.modality, 'exporter.models' in sys.modules, 'torch' in sys.modules)")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    answers = [subprocess.run([sys.executable, "-c", child, model_type], capture_output=True, text=True, env=env,
+                              timeout=120, check=True).stdout.split() for model_type in ("salm", "lita")]
+    assert answers == [["audio", "False", "False"], ["vision", "True", "True"]]
 
 
 def test_deploy_script_flags_config_and_overrides(tmp_path):
-    script = _deploy_script()
+    script = deploy_script()
     short = script.parse_settings(
         ["-tmn", "m", "-mt", "salm", "-mbs", "3", "-trp", "9000", "-ltm", "attn_qkv", "-ulp"]
     )
@@ -491,5 +485,5 @@ def test_deploy_script_flags_config_and_overrides(tmp_path):
     config.write_text("max_batch_sizes: 4\n")
     with pytest.raises(ValueError, match="unknown settings \\['max_batch_sizes'\\]"):
         script.parse_settings(["--config", str(config)])
-    with pytest.raises(SystemExit):
-        script.parse_settings(["-tmn", "m", "-mt", "llava"])
+    with pytest.raises(ValueError, match="unsupported model_type 'llava'; supported: lita, neva, .*salm"):
+        script.parse_settings(["-tmn", "m", "-mt", "llava"])  # the registry's names

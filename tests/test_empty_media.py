@@ -9,8 +9,8 @@ from exporter.media_safety import MediaError, MediaPolicy, load_checked, read_me
 from exporter.perception.audio_io import AudioLoadError, load_audio
 from exporter.perception.image_preprocess import ImageLoadError, ImagePreprocessor
 from exporter.perception.video import VideoLoadError, read_frames
-from media_host import MediaHost
-from test_openai_api import tiny_neva
+from support.media_host import MediaHost
+from support.vlm import tiny_neva
 
 PREPROCESSOR = ImagePreprocessor(resize={"shortest_edge": 8}, crop_size={"height": 8, "width": 8},
                                  image_mean=(0.5,) * 3, image_std=(0.5,) * 3)

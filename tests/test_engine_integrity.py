@@ -20,8 +20,10 @@ import pytest
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.engine import EngineError
-from test_checkpoint_security import METADATA, replace_member, via_stack_global
-from vlm_fixtures import build_vlm, random_image, tokenizer_file
+from support.archives import METADATA, replace_member, via_stack_global
+from support.media import random_image
+from support.tokenizer_files import tokenizer_file
+from support.vlm import build_vlm
 
 REPO = Path(__file__).resolve().parents[1]
 LIMITS = {"max_batch_size": 1, "max_input_len": 256, "max_output_len": 4, "max_multimodal_len": 64}
@@ -88,7 +90,7 @@ def test_manifest_lists_every_file_with_size_and_sha256(pristine):
 
 
 def _gadget_nemo(folder: Path, marker: Path, tiny_gpt_weights) -> Path:
-    from exporter.nemo_writer import write_nemo
+    from tools.nemo_writer import write_nemo
 
     config = {"num_layers": 1, "hidden_size": 16, "ffn_hidden_size": 32, "num_attention_heads": 4,
               "activation": "fast-swiglu", "normalization": "rmsnorm", "bias": False}

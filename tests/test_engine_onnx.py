@@ -9,8 +9,7 @@ import onnxruntime
 import torch
 
 from exporter import TensorRTMMExporter
-
-DEMO_NEMO = Path(__file__).resolve().parents[1] / "demo" / "neva_demo.nemo"
+from support.demo import DEMO_NEMO
 
 
 def test_exported_onnx_encoder_matches_pytorch(tmp_path: Path) -> None:

@@ -9,12 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import salm_fixtures
-import vlm_fixtures
 from exporter import TensorRTMMExporter
 from exporter.llm.generate import SamplingParams
 from exporter.runtime import Request
-from llm_families import FAMILIES
+from support.llm_families import FAMILIES
+from support.media import random_image
+from support.neva_reference import reference_tokens
+from support.salm import DEFAULT_QUESTION, TRAINED_PROMPT, build_salm, write_clips
+from support.salm import reference_tokens as salm_reference_tokens
+from support.tokenizer_files import tokenizer_file
+from support.vlm import build_vlm
 
 torch.set_num_threads(1)
 STEPS = 8
@@ -25,12 +29,12 @@ LIMITS = {"max_batch_size": 2, "max_input_len": 256, "max_output_len": 16, "max_
 
 @pytest.fixture(scope="module")
 def sp_path(tmp_path_factory) -> Path:
-    return vlm_fixtures.tokenizer_file(tmp_path_factory.mktemp("sp"))
+    return tokenizer_file(tmp_path_factory.mktemp("sp"))
 
 
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory):
-    return salm_fixtures.write_clips(tmp_path_factory.mktemp("clips"))
+    return write_clips(tmp_path_factory.mktemp("clips"))
 
 
 def _answer(exporter: TensorRTMMExporter, text: str, media) -> list[int]:
@@ -41,21 +45,21 @@ def _answer(exporter: TensorRTMMExporter, text: str, media) -> list[int]:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_neva_on_each_family_answers_as_transformers(name, sp_path, tmp_path):
-    vlm = vlm_fixtures.build_vlm(tmp_path / "ckpt", sp_path, llm_family=FAMILIES[name](seed=7))
+    vlm = build_vlm(tmp_path / "ckpt", sp_path, llm_family=FAMILIES[name](seed=7))
     exporter = TensorRTMMExporter(tmp_path / "engine", device="cpu")
     exporter.export(vlm.nemo, model_type="neva", dtype="float32", **LIMITS)
-    image = vlm_fixtures.random_image(3)
-    expected = vlm_fixtures.reference_tokens(vlm, "describe the image", image, STEPS)
+    image = random_image(3)
+    expected = reference_tokens(vlm, "describe the image", image, STEPS)
     assert len(expected) >= 2
     assert _answer(exporter, "describe the image", image) == expected
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_salm_on_each_family_answers_as_transformers(name, clips, tmp_path):
-    salm = salm_fixtures.build_salm(tmp_path / "ckpt", llm_family=FAMILIES[name](seed=8))
+    salm = build_salm(tmp_path / "ckpt", llm_family=FAMILIES[name](seed=8))
     exporter = TensorRTMMExporter(tmp_path / "engine", modality="audio", device="cpu")
     exporter.export(salm.nemo, model_type="salm", dtype="float32", **LIMITS)
-    prompt = salm_fixtures.TRAINED_PROMPT.format(q=salm_fixtures.DEFAULT_QUESTION)
-    expected = salm_fixtures.reference_tokens(salm, clips.wav_signal, prompt, STEPS)
+    prompt = TRAINED_PROMPT.format(q=DEFAULT_QUESTION)
+    expected = salm_reference_tokens(salm, clips.wav_signal, prompt, STEPS)
     assert len(expected) >= 2
     assert _answer(exporter, "", str(clips.wav)) == expected

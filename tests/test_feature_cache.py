@@ -10,14 +10,15 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import load_demo_builder
 from exporter.llm.generate import SamplingParams
 from exporter.runtime import Request
 from exporter.runtime.feature_cache import FeatureCache, media_key
-from test_demo_accuracy import demo_exporter  # noqa: F401 - the exported demo model, a module fixture
-from test_serve_demo import COLOR_Q, REPO, SHAPE_Q
-
-IMAGES = REPO / "demo" / "images"
+from support.demo import (
+    COLOR_Q,
+    DEMO_IMAGES,
+    SHAPE_Q,
+    load_demo_builder,
+)
 
 
 class EncoderCalls:
@@ -33,7 +34,7 @@ class EncoderCalls:
 
 
 @pytest.fixture
-def model(demo_exporter, monkeypatch):  # noqa: F811 - the imported fixture
+def model(demo_exporter, monkeypatch):
     """(exporter with an empty cache of its own, encoder call log)."""
     monkeypatch.setattr(demo_exporter.pipeline, "feature_cache", FeatureCache())
     calls = EncoderCalls(demo_exporter.engine.perception)
@@ -54,7 +55,7 @@ def ask(exporter, question: str, media) -> str:
 def test_same_media_skips_the_encoder_and_answers_the_same(model):
     exporter, calls = model
     cache = exporter.pipeline.feature_cache
-    path = IMAGES / "red_circle.png"
+    path = DEMO_IMAGES / "red_circle.png"
     data = path.read_bytes()
     assert ask(exporter, SHAPE_Q, data) == "circle"
     assert calls.items == [1] and cache.stats() == {"entries": 1, "bytes": cache.nbytes, "hits": 0, "misses": 1}
@@ -69,7 +70,7 @@ def test_same_media_skips_the_encoder_and_answers_the_same(model):
 
 def test_cached_features_are_the_encoder_output(model):
     exporter, calls = model
-    data = (IMAGES / "green_square.png").read_bytes()
+    data = (DEMO_IMAGES / "green_square.png").read_bytes()
     perception = exporter.engine.perception
     fresh = calls._encode(perception.load_media(data))[0]
     first = exporter.generate([Request(SHAPE_Q, data, SamplingParams(max_output_len=4))])[0]
@@ -81,8 +82,8 @@ def test_cached_features_are_the_encoder_output(model):
 
 def test_the_same_media_twice_in_one_batch_is_encoded_once(model):
     exporter, calls = model
-    data = (IMAGES / "blue_triangle.png").read_bytes()
-    answers = exporter.forward([SHAPE_Q, COLOR_Q, SHAPE_Q], [data, data, str(IMAGES / "red_circle.png")],
+    data = (DEMO_IMAGES / "blue_triangle.png").read_bytes()
+    answers = exporter.forward([SHAPE_Q, COLOR_Q, SHAPE_Q], [data, data, str(DEMO_IMAGES / "red_circle.png")],
                                max_output_len=4)
     assert answers == [["triangle"], ["blue"], ["circle"]]
     assert calls.items == [2]  # blue triangle once, red circle once
@@ -90,7 +91,7 @@ def test_the_same_media_twice_in_one_batch_is_encoded_once(model):
 
 def test_the_cache_is_a_bounded_lru(model, monkeypatch):
     exporter, calls = model
-    a, b, c, d = ((IMAGES / f"{name}.png").read_bytes()
+    a, b, c, d = ((DEMO_IMAGES / f"{name}.png").read_bytes()
                   for name in ("red_circle", "blue_triangle", "green_square", "yellow_circle"))
     ask(exporter, SHAPE_Q, a)
     block_bytes = exporter.pipeline.feature_cache.nbytes  # one image's features

@@ -11,12 +11,13 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor
 
-from conftest import train_sentencepiece
 from exporter.llm import LLM, Decoder, DecoderConfig, SamplingParams
 from exporter.llm.generate import StopStrings
 from exporter.llm.sampling import TOKEN, RowSetup, TokenChooser, penalize
 from exporter.llm.tokenizer import SentencePieceTokenizer, Tokenizer
 from exporter.runtime.scheduler import generate
+from support.decoding import reference_beam_search
+from support.tokenizer_files import train_sentencepiece
 
 torch.set_num_threads(1)
 VOCAB = 300
@@ -347,53 +348,6 @@ def test_other_gated_activations_apply_to_the_first_half(activation):
     act = torch.nn.functional.gelu if activation == "geglu" else torch.relu
     expected = (act(x @ gate.T) * (x @ up.T)) @ mlp.linear_fc2.weight.T
     assert torch.allclose(mlp(x), expected, atol=1e-5)
-
-
-@torch.no_grad()
-def reference_beam_search(
-    model: Decoder, prompt: list[int], params: SamplingParams, eos_id=None, tokenizer=None
-) -> list[list[int]]:
-    """Beam search as documented, recomputing every beam's whole sequence at each step (no cache), with
-    transformers' repetition penalty and stop strings found in the whole decoded answer."""
-    width = params.num_beams
-    end_ids = {params.end_id if params.end_id is not None else eos_id, *params.stop_token_ids} - {None}
-    beams, scores, finished = [[]], [0.0], []
-
-    def finish(score: float, tokens: list[int], length: int) -> None:
-        finished.append((score / length, tokens))
-        finished.sort(key=lambda hypothesis: hypothesis[0], reverse=True)
-        del finished[width:]
-
-    for _ in range(params.max_output_len):
-        candidates = []
-        for beam, score in zip(beams, scores):
-            ids = torch.tensor([prompt + beam])
-            logits = model(model.embed(ids))[:, -1].float()
-            logits = RepetitionPenaltyLogitsProcessor(params.repetition_penalty)(ids, logits)[0]
-            candidates += [(score + lp, beam, token) for token, lp in enumerate(logits.log_softmax(-1).tolist())]
-        candidates.sort(key=lambda candidate: candidate[0], reverse=True)
-        live = []
-        for rank, (value, beam, token) in enumerate(candidates[: 2 * width]):
-            if len(live) == width:
-                break
-            tokens = beam + [token]
-            stopped = token not in end_ids and any(s in tokenizer.decode(tokens, skip_special=False)
-                                                   for s in params.stop)
-            if token in end_ids or stopped:
-                if rank < width:
-                    finish(value, tokens if stopped else beam, len(tokens))
-                continue
-            live.append((value, tokens))
-        if not live:
-            break
-        scores, beams = [value for value, _ in live], [tokens for _, tokens in live]
-        if len(beams[0]) == params.max_output_len:
-            for score, tokens in live:
-                finish(score, tokens, len(tokens))
-            break
-        if len(finished) == width and finished[-1][0] >= max(scores) / len(beams[0]):
-            break
-    return [tokens for _, tokens in finished]
 
 
 def test_beam_search_equals_the_uncached_reference_with_penalties_ends_and_stop_strings():

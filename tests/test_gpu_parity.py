@@ -10,37 +10,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import captured_decode_logits, make_tiny_gpt_weights
-from exporter.llm.config import DecoderConfig
 from exporter.llm.generate import SamplingParams
-from exporter.llm.model import Decoder, select_llm_weights
 from exporter.runtime.cuda_graphs import GraphedCall
 from exporter.runtime.scheduler import Scheduler, generate
+from support.decoders import PARITY_VOCAB, parity_decoder
+from support.decoding import captured_decode_logits, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-VOCAB = 128
-CONFIG = {
-    "num_layers": 3, "hidden_size": 64, "ffn_hidden_size": 96, "num_attention_heads": 4, "num_query_groups": 2,
-    "activation": "fast-swiglu", "normalization": "rmsnorm", "bias": False, "position_embedding_type": "rope",
-    "share_embeddings_and_output_weights": False, "layernorm_epsilon": 1e-5, "max_position_embeddings": 256,
-}
-
-
-def _decoder(device: str, dtype: torch.dtype) -> Decoder:
-    weights = {k: v for k, v in make_tiny_gpt_weights(CONFIG, vocab=VOCAB, seed=3).items() if not k.endswith(".bias")}
-    weights = {k: v * 0.3 for k, v in select_llm_weights(weights).items()}
-    return Decoder.from_state_dict(DecoderConfig.from_nemo(CONFIG, vocab_size=VOCAB), weights, dtype=dtype,
-                                   device=device)
-
-
-def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((ours.float() - reference.float()).norm() / reference.float().norm()).item()
 
 
 @torch.inference_mode()
 def test_float32_greedy_tokens_equal_the_cpu():
-    cpu, gpu = _decoder("cpu", torch.float32), _decoder("cuda", torch.float32)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 14)]
+    cpu, gpu = parity_decoder("cpu", torch.float32), parity_decoder("cuda", torch.float32)
+    prompts = [torch.randint(3, PARITY_VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 14)]
     params = SamplingParams(max_output_len=20)
     expected = [generate(cpu, [cpu.embed(p)], [p.tolist()], [params])[0][0] for p in prompts]
     for prompt, tokens in zip(prompts, expected):  # well-posed: no near-tie on the CPU's greedy path
@@ -63,18 +45,18 @@ def test_float32_greedy_tokens_equal_the_cpu():
 @torch.inference_mode()
 def test_half_precision_logits_within_2e_2_of_float32(dtype):
     """A prefill, then captured decode steps fed the same tokens, in float32 and in `dtype`."""
-    ids = torch.randint(3, VOCAB, (2, 24), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    ids = torch.randint(3, PARITY_VOCAB, (2, 24), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     logits = {}
     for precision in (torch.float32, dtype):
-        model = _decoder("cuda", precision)
+        model = parity_decoder("cuda", precision)
         decoded, step = captured_decode_logits(model, ids, 16)
         assert step.graph_count > 0
         logits[precision] = torch.cat([model(model.embed(ids[:, :16])), decoded], dim=1)
-    error = _relative_error(logits[dtype], logits[torch.float32])
+    error = relative_error(logits[dtype], logits[torch.float32])
     assert error < 2e-2, f"relative error {error:.3e}"
-    cpu = _decoder("cpu", torch.float32)
+    cpu = parity_decoder("cpu", torch.float32)
     reference = cpu(cpu.embed(ids.cpu()))
-    assert _relative_error(logits[torch.float32].cpu(), reference) < 1e-4
+    assert relative_error(logits[torch.float32].cpu(), reference) < 1e-4
 
 
 @torch.inference_mode()
@@ -99,15 +81,17 @@ def test_gemv_kernel_matches_cublas(dtype):
         weight = torch.randn(rows, depth, device="cuda", dtype=dtype, generator=generator) / depth**0.5
         bias = torch.randn(rows, device="cuda", dtype=dtype, generator=generator) if with_bias else None
         reference = torch.nn.functional.linear(x.float(), weight.float(), None if bias is None else bias.float())
-        assert _relative_error(gemv._gemv(x, weight, bias), reference) < 1e-2
-        assert _relative_error(gemv.linear(x, weight, bias), reference) < 1e-2
+        assert relative_error(gemv._gemv(x, weight, bias), reference) < 1e-2
+        assert relative_error(gemv.linear(x, weight, bias), reference) < 1e-2
 
 
 def test_exported_neva_answers_on_cuda_as_on_the_cpu(tmp_path):
     """The serving path on the GPU (graphed encoder, warmed-up scheduler) answers a batch as the CPU does."""
     from exporter import TensorRTMMExporter
     from exporter.runtime import Request
-    from vlm_fixtures import build_vlm, random_image, tokenizer_file
+    from support.media import random_image
+    from support.tokenizer_files import tokenizer_file
+    from support.vlm import build_vlm
 
     (tmp_path / "sp").mkdir()
     vlm = build_vlm(tmp_path / "ckpt", tokenizer_file(tmp_path / "sp"))

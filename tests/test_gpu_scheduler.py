@@ -9,7 +9,7 @@ import torch
 
 from exporter.llm.generate import SamplingParams
 from exporter.runtime.scheduler import Scheduler, generate
-from test_gpu_parity import VOCAB, _decoder
+from support.decoders import PARITY_VOCAB, parity_decoder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -25,8 +25,9 @@ PARAMS = [
 
 @torch.inference_mode()
 def test_mixed_rows_in_captured_steps_equal_each_alone():
-    gpu = _decoder("cuda", torch.float32)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 14, 7, 4, 11)]
+    gpu = parity_decoder("cuda", torch.float32)
+    prompts = [torch.randint(3, PARITY_VOCAB, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (5, 9, 14, 7, 4, 11)]
     alone = [generate(gpu, [gpu.embed(p.cuda())], [p.tolist()], [params])[0] for p, params in zip(prompts, PARAMS)]
     scheduler = Scheduler(gpu, max_slots=8, max_seq_len=64, eos_id=None, use_cuda_graphs=True, max_beam_width=3)
     scheduler.warm_up()
@@ -41,7 +42,7 @@ def test_mixed_rows_in_captured_steps_equal_each_alone():
     assert captured > 0 and scheduler.forward.graph_count == captured  # the warm-up captured every step it ran
     assert scheduler.steps_queued_ahead == scheduler.decode_steps - 1
 
-    cpu = _decoder("cpu", torch.float32)
+    cpu = parity_decoder("cpu", torch.float32)
     for prompt, params, results in zip(prompts, PARAMS, alone):
         if params.greedy or params.num_beams > 1:
             assert generate(cpu, [cpu.embed(prompt)], [prompt.tolist()], [params])[0] == results

@@ -10,10 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from conftest import load_demo_builder
 from query import NemoQueryMultimodal
-from serving_support import demo_deployed
-from test_serve_demo import MODEL, REPO, SHAPE_Q
+from support.demo import MODEL, SHAPE_Q, demo_deployed, load_demo_builder
+from support.servers import REPO
 
 LONG_OUTPUT = 1500  # the demo model repeats its word this often with a repetition "penalty" far below 1
 REPEAT = {"repetition_penalty": 0.001}

@@ -9,7 +9,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from lita_reference import (
+
+from exporter import TensorRTMMExporter
+from exporter.llm.generate import SamplingParams
+from exporter.runtime.pipeline import Request
+from support.lita_reference import (
     VID_END,
     VID_START,
     decoded_frames,
@@ -19,13 +23,10 @@ from lita_reference import (
     training_frames,
     video_span,
 )
-from test_deploy_stub import _deploy_script
-from test_video import encode_video, first_available, random_frames
-
-from exporter import TensorRTMMExporter
-from exporter.llm.generate import SamplingParams
-from exporter.runtime.pipeline import Request
-from vlm_fixtures import CHAT, VISION_SYSTEM, build_vlm, tokenizer_file
+from support.media import encode_video, first_available, random_frames
+from support.servers import deploy_script
+from support.tokenizer_files import tokenizer_file
+from support.vlm import CHAT, VISION_SYSTEM, build_vlm
 
 torch.set_num_threads(1)
 NUM_FRAMES, SAMPLE_FRAMES, STEPS = 6, 3, 6
@@ -188,7 +189,7 @@ def test_an_unknown_frame_sampling_is_named(tmp_path):
 
 
 def test_deploy_script_passes_the_sampling_on():
-    script = _deploy_script()
+    script = deploy_script()
     settings = script.parse_settings(["-tmn", "m", "-mt", "vita", "-vc", "x.nemo", "--video_frame_sampling",
                                       "nemo-export"])
     assert script._export_arguments(settings)["video_frame_sampling"] == "nemo-export"

@@ -15,15 +15,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import captured_decode_logits, train_sentencepiece
 from exporter.checkpoint import NemoCheckpoint, canonical_name
 from exporter.checkpoint.experts import ExpertStacks, stack_experts
 from exporter.llm import Decoder, DecoderConfig, SamplingParams, load_llm
 from exporter.llm.model import Router
-from exporter.nemo_writer import write_nemo
 from exporter.runtime.scheduler import generate
-from llm_families import FAMILIES, mixtral, starcoder2
-from test_llm_parity import check_logits_and_cache, hf_greedy, relative_error
+from support.decoding import captured_decode_logits, check_logits_and_cache, hf_greedy, relative_error
+from support.llm_families import FAMILIES, mixtral, starcoder2
+from support.tokenizer_files import train_sentencepiece
+from tools.nemo_writer import write_nemo
 
 torch.set_num_threads(1)
 VOCAB = 384

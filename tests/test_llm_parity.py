@@ -12,79 +12,20 @@ import torch
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
-    LlamaConfig,
     LlamaForCausalLM,
     NemotronConfig,
     NemotronForCausalLM,
 )
 
-from conftest import train_sentencepiece
 from exporter.checkpoint import NemoCheckpoint
 from exporter.llm import Decoder, DecoderConfig, SamplingParams, load_llm
-from exporter.nemo_writer import fuse_qkv, hf_llama_to_nemo, write_nemo
 from exporter.runtime.scheduler import generate
+from support.decoding import check_logits_and_cache, hf_greedy, relative_error
+from support.tiny_llama import FFN, HIDDEN, LAYERS, VOCAB, llama_nemo_config, small_noise_, tiny_llama
+from support.tokenizer_files import train_sentencepiece
+from tools.nemo_writer import fuse_qkv, hf_llama_to_nemo, write_nemo
 
 torch.set_num_threads(1)
-HIDDEN, LAYERS, VOCAB, FFN = 64, 2, 300, 96
-
-
-def relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((ours.float() - reference.float()).norm() / reference.float().norm()).item()
-
-
-def randomize_(model: torch.nn.Module, seed: int, std: float = 0.1) -> torch.nn.Module:
-    """Random values for every parameter, norms included (so γ, β and layernorm1p's +1 matter)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.copy_(torch.randn(param.shape, generator=generator) * std)
-    return model.eval()
-
-
-def llama_nemo_config(heads: int, groups: int, vocab: int = VOCAB, **extra) -> dict:
-    return {
-        "num_layers": LAYERS,
-        "hidden_size": HIDDEN,
-        "ffn_hidden_size": FFN,
-        "num_attention_heads": heads,
-        "num_query_groups": groups,
-        "normalization": "rmsnorm",
-        "activation": "fast-swiglu",
-        "bias": False,
-        "position_embedding_type": "rope",
-        "share_embeddings_and_output_weights": False,
-        "layernorm_epsilon": 1e-5,
-        "max_position_embeddings": 128,
-        **extra,
-    }
-
-
-def tiny_llama(
-    heads: int,
-    groups: int,
-    vocab: int = VOCAB,
-    rope_theta: float = 10000.0,
-    scaling: float | None = None,
-    seed: int = 0,
-) -> LlamaForCausalLM:
-    rope = {"rope_type": "default", "rope_theta": rope_theta}
-    if scaling is not None:
-        rope = {"rope_type": "linear", "factor": scaling, "rope_theta": rope_theta}
-    config = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=HIDDEN,
-        intermediate_size=FFN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=heads,
-        num_key_value_heads=groups,
-        max_position_embeddings=128,
-        rms_norm_eps=1e-5,
-        rope_parameters=rope,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    return randomize_(LlamaForCausalLM(config), seed)
 
 
 def llama_decoder(hf: LlamaForCausalLM, nemo_config: dict) -> Decoder:
@@ -95,35 +36,6 @@ def llama_decoder(hf: LlamaForCausalLM, nemo_config: dict) -> Decoder:
         nemo_config, vocab_size=weights["embedding.word_embeddings.weight"].shape[0]
     )
     return Decoder.from_state_dict(config, weights)
-
-
-def check_logits_and_cache(ours: Decoder, hf: torch.nn.Module, seed: int = 1) -> None:
-    """Full-sequence logits match; prefill + one-token decode steps through the KV cache match too."""
-    ids = torch.randint(0, ours.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(seed))
-    with torch.no_grad():
-        reference = hf(ids).logits
-        assert relative_error(ours(ours.embed(ids)), reference) < 1e-5
-        cache = ours.new_kv_cache(2, 16)
-        prefill = ours(ours.embed(ids[:, :8]), torch.arange(8).expand(2, 8), cache, kv_len=8)
-        steps = [
-            ours(ours.embed(ids[:, t : t + 1]), torch.full((2, 1), t), cache, kv_len=t + 1)
-            for t in range(8, 12)
-        ]
-    assert relative_error(torch.cat([prefill, *steps], dim=1), reference) < 1e-5
-
-
-def hf_greedy(
-    hf: torch.nn.Module, prompt: list[int], max_new_tokens: int, eos_id: int | None, **kwargs
-) -> list:
-    out = hf.generate(
-        torch.tensor([prompt]),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        eos_token_id=eos_id,
-        pad_token_id=0,
-        **kwargs,
-    )[0, len(prompt) :].tolist()
-    return out[: out.index(eos_id)] if eos_id in out else out
 
 
 @pytest.mark.parametrize("heads, groups", [(4, 4), (4, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
@@ -209,7 +121,7 @@ def test_nemotron_layernorm1p_squared_relu_partial_rope_match():
         hidden_act="relu2",
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
     )
-    hf = randomize_(NemotronForCausalLM(config), seed=2)
+    hf = small_noise_(NemotronForCausalLM(config), seed=2)
     nemo = {
         "num_layers": LAYERS,
         "hidden_size": HIDDEN,
@@ -284,7 +196,7 @@ def test_gpt2_learned_positions_gelu_bias_tied_head_match(hf_activation, nemo_ac
         bos_token_id=1,
         eos_token_id=2,
     )
-    hf = randomize_(GPT2LMHeadModel(config), seed=4)
+    hf = small_noise_(GPT2LMHeadModel(config), seed=4)
     nemo = {
         "num_layers": LAYERS,
         "hidden_size": HIDDEN,
@@ -317,7 +229,7 @@ def test_half_precisions_stay_close_to_float32():
             assert relative_error(model(model.embed(ids)), reference) < 3e-2
 
 
-# -- checkpoints in every layout, through exporter.checkpoint / exporter.nemo_writer -------------------------
+# -- checkpoints in every layout, through exporter.checkpoint / tools.nemo_writer -------------------------
 
 LAYOUT_HEADS, LAYOUT_GROUPS, PADDED_VOCAB = 8, 4, 384  # TP=4 needs the groups and the padded vocab to split
 

@@ -24,11 +24,10 @@ import pytest
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from conftest import load_demo_builder
 from query import NemoQueryMultimodal, QueryError
-from serving_support import ScriptServer as Server
-from serving_support import assert_short_error, demo_script_server
-from test_serve_demo import COLOR_Q, MODEL, SHAPE_Q
+from support.demo import COLOR_Q, MODEL, SHAPE_Q, demo_script_server, load_demo_builder
+from support.servers import ScriptServer as Server
+from support.servers import assert_short_error
 
 CONCURRENT = 64
 PICTURES = 16

@@ -1,6 +1,6 @@
 """LoRA adapters served per request on a tiny Neva, against transformers with each adapter merged independently.
 
-Two NeMo PEFT adapters (`lora_fixtures`): "a" (rank 4, alpha 8: scale 2, one file) and "b" (rank 2, alpha given as
+Two NeMo PEFT adapters (`support.lora`): "a" (rank 4, alpha 8: scale 2, one file) and "b" (rank 2, alpha given as
 the example configs' interpolation, saved TP=2-sharded with fc1's adapter `[gate_r; up_r]` per rank), on all four
 targets. Answers with a, b and none share one batch and equal, token for token in float32, transformers' Llama
 with that adapter merged by the fixture's own code. Also: reading and naming adapters, the merged export, errors,
@@ -26,9 +26,11 @@ from exporter.llm.generate import SamplingParams
 from exporter.llm.lora_layers import LoraBank
 from exporter.lora import LoraError, adapter_sources, read_adapter
 from exporter.runtime import Request
-from lora_fixtures import ADAPTERS, nemo_config, with_adapter, write_adapter
-from neva_reference import answer_ids, prompt_embeddings
-from vlm_fixtures import PROMPTS, build_vlm, random_image, reference_features, reference_tokens, tokenizer_file
+from support.lora import ADAPTERS, nemo_config, with_adapter, write_adapter
+from support.media import random_image
+from support.neva_reference import answer_ids, prompt_embeddings, reference_features, reference_tokens
+from support.tokenizer_files import tokenizer_file
+from support.vlm import PROMPTS, build_vlm
 
 STEPS = 8
 QUESTION = "describe the image"

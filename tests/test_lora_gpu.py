@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_gpu_parity import VOCAB, _decoder
 
 from exporter.llm import lora_layers
 from exporter.llm.generate import SamplingParams
 from exporter.llm.lora_layers import LORA_MODULES, LoraBank, LoraSlots, lora_shape
 from exporter.runtime.scheduler import Scheduler
+from support.decoders import PARITY_VOCAB, parity_decoder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -19,7 +19,7 @@ UIDS = ["a", "b", None, "a", "b"]
 
 
 def _with_adapters(device: str):
-    model = _decoder(device, torch.float32)
+    model = parity_decoder(device, torch.float32)
     bank = LoraBank(model, tuple(LORA_MODULES), 8, 2)
     generator = torch.Generator().manual_seed(4)
     for uid, rank in (("a", 8), ("b", 3)):
@@ -52,7 +52,8 @@ def _run(model, prompts, graphs: bool, late: int = 3) -> list[list[int]]:
 
 @torch.inference_mode()
 def test_lora_rows_in_captured_steps_equal_the_cpu():
-    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 9, 14, 7, 4)]
+    prompts = [torch.randint(3, PARITY_VOCAB, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (5, 9, 14, 7, 4)]
     gpu = _with_adapters("cuda")
     graphed = _run(gpu, prompts, graphs=True)
     assert graphed == _run(gpu, prompts, graphs=False)

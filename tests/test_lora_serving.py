@@ -5,7 +5,6 @@ checks the same engine in process)."""
 
 from __future__ import annotations
 
-import base64
 import io
 import os
 import subprocess
@@ -15,16 +14,27 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import stop_server, wait_until_ready
 from deploy import DeployPyTriton
 from deploy.openai import OpenAIServer, create_app
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
-from lora_fixtures import nemo_config, with_adapter, write_adapter
 from query import NemoQueryMultimodal, QueryError
-from serving_support import REPO, assert_short_error, http_infer, json_tensor, poll_ready
-from test_openai_api import assert_error_object, chat, client, post
-from vlm_fixtures import build_vlm, random_image, reference_tokens, tokenizer_file
+from support.lora import nemo_config, with_adapter, write_adapter
+from support.media import data_url, random_image
+from support.neva_reference import reference_tokens
+from support.openai_front import assert_error_object, chat, client
+from support.servers import (
+    REPO,
+    assert_short_error,
+    http_infer,
+    json_tensor,
+    poll_ready,
+    post,
+    stop_server,
+    wait_until_ready,
+)
+from support.tokenizer_files import tokenizer_file
+from support.vlm import build_vlm
 
 MODEL = "neva"
 QUESTION = "describe the image"
@@ -69,10 +79,10 @@ def served(tmp_path_factory):
 
 def _rows(uids: list[list[str]], png: bytes) -> list[dict]:
     """A raw Triton request: one prompt per entry of `uids`, each row carrying that entry as its lora_uids."""
-    data_url = "data:image/png;base64," + base64.b64encode(png).decode()
+    url = data_url(png)
     rows = len(uids)
     return [json_tensor("input_text", np.array([[QUESTION.encode()]] * rows, dtype=object)),
-            json_tensor("input_media_bytes", np.array([[data_url.encode()]] * rows, dtype=object)),
+            json_tensor("input_media_bytes", np.array([[url.encode()]] * rows, dtype=object)),
             json_tensor("max_output_len", np.full((rows, 1), STEPS, dtype=np.int64)),
             json_tensor("lora_uids", np.array([[uid.encode() for uid in row] for row in uids], dtype=object))]
 

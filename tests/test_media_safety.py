@@ -25,7 +25,7 @@ from exporter.media_safety import (
     load_checked,
     read_media_bytes,
 )
-from media_host import MediaHost
+from support.media_host import MediaHost
 
 OPEN = MediaPolicy(allow_private_networks=True)  # the loopback test server is a private address
 

@@ -24,9 +24,11 @@ from exporter import TensorRTMMExporter
 from exporter.engine import LimitError
 from exporter.llm.generate import SamplingParams
 from exporter.runtime import Request
-from neva_fixtures import cache_full_clip
-from neva_reference import answer_ids, image_features, prompt_embeddings
-from vlm_fixtures import IMAGE, PROMPTS, TinyVlm, build_vlm, random_image, tokenizer_file
+from support.media import random_image
+from support.neva_hub import cache_full_clip
+from support.neva_reference import answer_ids, image_features, prompt_embeddings
+from support.tokenizer_files import tokenizer_file
+from support.vlm import IMAGE, PROMPTS, TinyVlm, build_vlm
 
 STEPS = 8
 QUESTION = "describe the image"

@@ -14,7 +14,10 @@ from exporter import TensorRTMMExporter
 from exporter.engine import EngineError, LimitError
 from exporter.llm.generate import SamplingParams
 from exporter.runtime import Request
-from vlm_fixtures import build_vlm, random_image, reference_tokens, tokenizer_file
+from support.media import random_image
+from support.neva_reference import reference_tokens
+from support.tokenizer_files import tokenizer_file
+from support.vlm import build_vlm
 
 STEPS = 8
 QUESTION = "describe the image"
@@ -159,7 +162,7 @@ def test_hugging_face_tokenizer_hub_name_needs_tokenizer_path(sp_path, tmp_path)
 
     import yaml
 
-    from exporter.nemo_writer import tar_directory
+    from tools.nemo_writer import tar_directory
 
     unpacked = tmp_path / "unpacked"
     with tarfile.open(vlm.nemo) as archive:

@@ -8,16 +8,12 @@ strings, long streams and cancellation.
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import json
 import os
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 
 import numpy as np
 import openai
@@ -25,80 +21,28 @@ import pytest
 import sentencepiece
 from PIL import Image
 
-from conftest import load_demo_builder, stop_server, wait_until_ready
-from deploy.openai import OpenAIServer, create_app
+from deploy.openai import create_app
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.llm.generate import SamplingParams
 from exporter.media_safety import MediaPolicy
 from exporter.runtime import Request
-from media_host import MediaHost
 from query import NemoQueryMultimodal
-from salm_fixtures import build_salm, write_clips
-from serving_support import poll_ready
-from test_serve_demo import COLOR_Q, MODEL, REPO, SHAPE_Q
-from test_serve_demo import server as triton_demo  # noqa: F401 - the module's Triton server fixture
-from test_video_serving import TYPES as VIDEO_TYPES
-from test_video_serving import _encode_mp4 as encode_mp4
-from vlm_fixtures import build_vlm, random_image, tokenizer_file
+from support.demo import COLOR_Q, DEMO_IMAGES, MODEL, SHAPE_Q, load_demo_builder
+from support.media import data_url, encode_mp4, png_bytes, random_image
+from support.media_host import MediaHost
+from support.openai_front import assert_error_object, chat, client, image_message, serving
+from support.salm import build_salm, write_clips
+from support.servers import REPO, get, poll_ready, post, stop_server, wait_until_ready
+from support.tokenizer_files import tokenizer_file
+from support.vlm import VIDEO_TYPES, build_vlm, tiny_neva
 
-IMAGES = REPO / "demo" / "images"
 LABELS = {"red_circle": ("circle", "red"), "blue_triangle": ("triangle", "blue"),
           "green_square": ("square", "green"), "yellow_circle": ("circle", "yellow")}
 BABBLE_MAX_OUTPUT = 300
 
 
 # --- helpers --------------------------------------------------------------------------------------------------------
-
-@contextlib.contextmanager
-def serving(app):
-    """`app` served by uvicorn on a free loopback port; yields its base URL (`http://127.0.0.1:N/v1`)."""
-    server = OpenAIServer(app, host="127.0.0.1", port=free_port())
-    server.start()
-    try:
-        yield server.url
-    finally:
-        server.stop()
-
-
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=url, api_key="unused", timeout=60, max_retries=0)
-
-
-def data_url(data: bytes, mime: str = "image/png") -> str:
-    return f"data:{mime};base64,{base64.b64encode(data).decode()}"
-
-
-def image_message(question: str, url: str) -> list[dict]:
-    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
-                                         {"type": "text", "text": question}]}]
-
-
-def post(url: str, body: dict | bytes) -> tuple[int, dict]:
-    """POST a JSON body (or raw bytes) to `url`; the status and the decoded answer, errors included."""
-    data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
-def get(url: str) -> tuple[int, dict]:
-    try:
-        with urllib.request.urlopen(url, timeout=30) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
-
-
-def assert_error_object(status: int, body: dict, expected_status: int, *words: str) -> None:
-    assert status == expected_status, body
-    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
-    assert body["error"]["type"] == ("server_error" if expected_status >= 500 else "invalid_request_error")
-    for word in words:
-        assert word in body["error"]["message"], body
 
 
 def noise_png(size: int) -> bytes:
@@ -111,9 +55,9 @@ def noise_png(size: int) -> bytes:
 # --- fixtures -------------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def demo(triton_demo):  # noqa: F811 - the imported fixture
+def demo(demo_server):
     """(Triton HTTP address, the exporter behind it, the OpenAI base URL over the same exporter)."""
-    http_url, _, deployer = triton_demo
+    http_url, _, deployer = demo_server
     with serving(create_app(deployer.model, MODEL)) as url:
         yield http_url, deployer.model, url
 
@@ -124,26 +68,6 @@ def babbler(tmp_path_factory):
     exporter = tiny_neva(tmp_path_factory.mktemp("babbler"), BABBLE_MAX_OUTPUT, max_batch_size=4)
     with serving(create_app(exporter, "babbler")) as url:
         yield exporter, url, random_image(3)
-
-
-def tiny_neva(folder: Path, max_output_len: int, max_batch_size: int = 2) -> TensorRTMMExporter:
-    """A tiny random Neva (16 features per image, prompts up to 200 tokens) exported in-process for the CPU."""
-    vlm = build_vlm(folder / "ckpt", tokenizer_file(folder))
-    exporter = TensorRTMMExporter(folder / "engine", device="cpu")
-    exporter.export(vlm.nemo, model_type="neva", dtype="float32", max_batch_size=max_batch_size, max_input_len=200,
-                    max_output_len=max_output_len, max_multimodal_len=max_batch_size * 16)
-    return exporter
-
-
-def png_bytes(image: Image.Image) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, "PNG")
-    return buffer.getvalue()
-
-
-def chat(url: str, question: str, image: bytes, model: str = MODEL, **params):
-    return client(url).chat.completions.create(model=model, messages=image_message(question, data_url(image)),
-                                               **params)
 
 
 def stream_chunks(url: str, question: str, image: bytes, model: str = MODEL, **params) -> list:
@@ -169,20 +93,20 @@ def test_models_and_health(demo):
 @pytest.mark.parametrize("name", sorted(LABELS))
 def test_image_as_data_url_answers_as_the_triton_path(demo, name):
     triton_url, _, url = demo
-    image = (IMAGES / f"{name}.png").read_bytes()
+    image = (DEMO_IMAGES / f"{name}.png").read_bytes()
     with NemoQueryMultimodal(triton_url, MODEL, "neva") as triton:
         for question, label in zip((SHAPE_Q, COLOR_Q), LABELS[name]):
             answer = chat(url, question, image)
             assert answer.object == "chat.completion" and answer.model == MODEL
             (choice,) = answer.choices
             assert (choice.message.role, choice.finish_reason) == ("assistant", "stop")
-            expected = triton.query(question, str(IMAGES / f"{name}.png"), max_output_len=16)[0, 0]
+            expected = triton.query(question, str(DEMO_IMAGES / f"{name}.png"), max_output_len=16)[0, 0]
             assert choice.message.content == expected == label
 
 
 def test_stream_is_openai_chunks_that_join_to_the_answer(demo):
     _, _, url = demo
-    image = (IMAGES / "blue_triangle.png").read_bytes()
+    image = (DEMO_IMAGES / "blue_triangle.png").read_bytes()
     whole = chat(url, COLOR_Q, image)
     chunks = stream_chunks(url, COLOR_Q, image, stream_options={"include_usage": True})
     assert len({chunk.id for chunk in chunks}) == 1 and all(c.object == "chat.completion.chunk" for c in chunks)
@@ -200,7 +124,7 @@ def test_usage_counts_prompt_positions_and_generated_tokens(demo):
     _, exporter, url = demo
     sp = sentencepiece.SentencePieceProcessor(model_file=str(exporter.model_dir / "llm_engine" / "tokenizer.model"))
     before, after = load_demo_builder().prompt_pieces(sp, SHAPE_Q)  # how training laid the prompt out
-    answer = chat(url, SHAPE_Q, (IMAGES / "green_square.png").read_bytes())
+    answer = chat(url, SHAPE_Q, (DEMO_IMAGES / "green_square.png").read_bytes())
     generated = sp.encode(answer.choices[0].message.content)
     assert answer.usage.prompt_tokens == len(before) + exporter.engine.perception.features_per_item + len(after)
     assert answer.usage.completion_tokens == len(generated)
@@ -209,7 +133,7 @@ def test_usage_counts_prompt_positions_and_generated_tokens(demo):
 
 def test_system_prompt_and_placeholder_in_text(demo):
     _, exporter, url = demo
-    image = (IMAGES / "red_circle.png").read_bytes()
+    image = (DEMO_IMAGES / "red_circle.png").read_bytes()
     placed = [{"role": "user", "content": [{"type": "text", "text": "<image>\n" + SHAPE_Q},
                                            {"type": "image_url", "image_url": {"url": data_url(image)}}]}]
     answer = client(url).chat.completions.create(model=MODEL, messages=placed)
@@ -255,14 +179,14 @@ def _bad_bodies(image_url: str) -> dict[str, tuple[dict | bytes, int, tuple[str,
 @pytest.mark.parametrize("case", sorted(_bad_bodies("")))
 def test_bad_requests_get_openai_error_objects(demo, case):
     _, _, url = demo
-    body, status, words = _bad_bodies(data_url((IMAGES / "red_circle.png").read_bytes()))[case]
+    body, status, words = _bad_bodies(data_url((DEMO_IMAGES / "red_circle.png").read_bytes()))[case]
     assert_error_object(*post(url + "/chat/completions", body), status, *words)
 
 
 def test_unknown_route_and_openai_exceptions(demo):
     _, _, url = demo
     assert_error_object(*get(url + "/completions/nothing"), 404)
-    image = (IMAGES / "red_circle.png").read_bytes()
+    image = (DEMO_IMAGES / "red_circle.png").read_bytes()
     with pytest.raises(openai.NotFoundError) as unknown:
         chat(url, SHAPE_Q, image, model="gpt-4o")
     assert unknown.value.code == "model_not_found"
@@ -286,7 +210,7 @@ def test_oversized_media_and_bodies_get_413(demo):
         assert_error_object(*post(url + "/chat/completions", ask), 413, "pixels")
     with serving(create_app(exporter, MODEL, max_request_bytes=12_000)) as url:
         assert_error_object(*post(url + "/chat/completions", ask), 413, "openai_max_request_bytes")
-        small = {"model": MODEL, "messages": image_message(SHAPE_Q, data_url((IMAGES / "red_circle.png")
+        small = {"model": MODEL, "messages": image_message(SHAPE_Q, data_url((DEMO_IMAGES / "red_circle.png")
                                                                              .read_bytes()))}
         assert post(url + "/chat/completions", small)[1]["choices"][0]["message"]["content"] == "circle"
     with serving(create_app(exporter, MODEL, MediaPolicy(max_items=1))) as url:
@@ -297,7 +221,7 @@ def test_oversized_media_and_bodies_get_413(demo):
 
 def test_not_ready_answers_503(demo, tmp_path):
     _, exporter, _ = demo
-    ask = {"model": MODEL, "messages": image_message(SHAPE_Q, data_url((IMAGES / "red_circle.png").read_bytes()))}
+    ask = {"model": MODEL, "messages": image_message(SHAPE_Q, data_url((DEMO_IMAGES / "red_circle.png").read_bytes()))}
     app = create_app(exporter, MODEL)
     with serving(app) as url:
         app.state.ready = False  # what stop() sets while requests drain
@@ -320,7 +244,7 @@ def test_a_model_failure_answers_500(demo, monkeypatch):
 
     monkeypatch.setattr(exporter, "generate", lambda requests: [RuntimeError("the device fell over")] * len(requests))
     monkeypatch.setattr(exporter, "stream", failing)
-    ask = {"model": MODEL, "messages": image_message(SHAPE_Q, data_url((IMAGES / "red_circle.png").read_bytes()))}
+    ask = {"model": MODEL, "messages": image_message(SHAPE_Q, data_url((DEMO_IMAGES / "red_circle.png").read_bytes()))}
     assert_error_object(*post(url + "/chat/completions", ask), 500, "the device fell over")
     assert_error_object(*post(url + "/chat/completions", {**ask, "stream": True}), 500, "the device fell over")
 
@@ -330,7 +254,7 @@ def test_a_model_failure_answers_500(demo, monkeypatch):
 def test_media_urls_follow_the_policy(demo):
     _, exporter, _ = demo
     ask_url = "{}/red_circle.png"
-    with MediaHost(folder=IMAGES) as media_host:
+    with MediaHost(folder=DEMO_IMAGES) as media_host:
         host = media_host.url
         body = {"model": MODEL, "messages": image_message(SHAPE_Q, ask_url.format(host))}
         with serving(create_app(exporter, MODEL)) as url:  # default: only public addresses
@@ -349,11 +273,11 @@ def test_media_urls_follow_the_policy(demo):
 
 def test_local_files_only_from_the_allowed_folder(demo):
     _, exporter, _ = demo
-    inside = {"model": MODEL, "messages": image_message(COLOR_Q, (IMAGES / "yellow_circle.png").as_uri())}
+    inside = {"model": MODEL, "messages": image_message(COLOR_Q, (DEMO_IMAGES / "yellow_circle.png").as_uri())}
     outside = {"model": MODEL, "messages": image_message(COLOR_Q, (REPO / "README.md").as_uri())}
     with serving(create_app(exporter, MODEL)) as url:
         assert_error_object(*post(url + "/chat/completions", inside), 400, "media_local_dir")
-    with serving(create_app(exporter, MODEL, MediaPolicy(local_dir=str(IMAGES)))) as url:
+    with serving(create_app(exporter, MODEL, MediaPolicy(local_dir=str(DEMO_IMAGES)))) as url:
         assert post(url + "/chat/completions", inside)[1]["choices"][0]["message"]["content"] == "yellow"
         assert_error_object(*post(url + "/chat/completions", outside), 400, "outside")
 
@@ -493,7 +417,7 @@ def test_deploy_script_serves_openai_and_curl_gets_plain_and_streamed_answers(de
         url = f"http://127.0.0.1:{openai_port}/v1"
         poll_ready(server, url + "/health/ready")  # the OpenAI front starts once Triton is up
         assert [model.id for model in client(url).models.list()] == [MODEL]
-        image = data_url((IMAGES / "green_square.png").read_bytes())
+        image = data_url((DEMO_IMAGES / "green_square.png").read_bytes())
         body = json.dumps({"model": MODEL, "messages": image_message(SHAPE_Q, image), "max_tokens": 8})
         plain = subprocess.run(["curl", "-sS", f"{url}/chat/completions", "-H", "Content-Type: application/json",
                                 "-d", body], capture_output=True, text=True, timeout=60, check=True)
@@ -509,7 +433,7 @@ def test_deploy_script_serves_openai_and_curl_gets_plain_and_streamed_answers(de
         assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
         big = {"model": MODEL, "messages": image_message(SHAPE_Q, data_url(noise_png(64)))}
         assert_error_object(*post(f"{url}/chat/completions", big), 413, "max_bytes")  # --media_max_bytes
-        with MediaHost(folder=IMAGES) as host:  # --media_allow_private_networks is off
+        with MediaHost(folder=DEMO_IMAGES) as host:  # --media_allow_private_networks is off
             remote = {"model": MODEL, "messages": image_message(SHAPE_Q, host.url + "/green_square.png")}
             assert_error_object(*post(f"{url}/chat/completions", remote), 400, "media_allow_private_networks")
     finally:

@@ -14,9 +14,11 @@ from deploy.openai.app import default_max_request_bytes
 from deploy.openai.translate import MAX_TEXT_BYTES
 from exporter import TensorRTMMExporter
 from exporter.media_safety import MediaPolicy
-from media_host import MediaHost
-from test_openai_api import assert_error_object, data_url, get, image_message, png_bytes, post, serving, tiny_neva
-from vlm_fixtures import random_image
+from support.media import data_url, png_bytes, random_image
+from support.media_host import MediaHost
+from support.openai_front import assert_error_object, image_message, serving
+from support.servers import get, post
+from support.vlm import tiny_neva
 
 SLOW_REQUESTS = 40
 DEADLINE_S = 3.0

@@ -11,28 +11,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-from conftest import captured_decode_logits, load_demo_builder
 from exporter import TensorRTMMExporter
 from exporter.llm import paged_attention, paged_triton
 from exporter.llm.generate import SamplingParams
 from exporter.llm.paged_attention import FP8_DTYPE, Chunk, PagedBatch, PagedKVCache
 from exporter.runtime.kv_cache import KVCacheOptions, calibrated_kv_scales
 from exporter.runtime.scheduler import Scheduler
-from test_paged_kv import _ids, static_greedy, unit_scale_decoder
+from support.decoders import random_ids, unit_scale_decoder
+from support.decoding import captured_decode_logits, relative_error, static_greedy
+from support.demo import DEMO_NEMO, load_demo_builder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
-DEMO_NEMO = Path(__file__).resolve().parents[1] / "demo" / "neva_demo.nemo"
-
-
-def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((ours.float() - reference.float()).norm() / reference.float().norm()).item()
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -58,7 +52,7 @@ def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
         batch = PagedBatch(cache, rows=rows, tables=tables, positions=positions, span=768, splits=splits)
         expected = paged_attention._decode_reference(query.float(), k, v, batch, layer_scales, None)
         got = paged_triton.decode(query, k, v, tables, positions, layer_scales, splits, None)
-        assert _relative_error(got, expected) < 1e-2, f"decode, {splits} splits"
+        assert relative_error(got, expected) < 1e-2, f"decode, {splits} splits"
     sequences = ((0, 300, 0), (300, 77, 500))
     tile = paged_triton.CHUNK_TILE
     tiles = torch.tensor([[s, first + o, min(tile, count - o), start + o] for s, (first, count, start)
@@ -67,7 +61,7 @@ def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
     chunk = Chunk(tables[:2], None, None, tiles, sequences)
     expected = paged_attention._chunk_reference(chunk_query.float(), k, v, chunk, layer_scales, None)
     got = paged_triton.chunk(chunk_query, k, v, tables[:2], tiles, layer_scales, None)
-    assert _relative_error(got[:377], expected[:377]) < 1e-2
+    assert relative_error(got[:377], expected[:377]) < 1e-2
 
 
 @torch.inference_mode()
@@ -75,7 +69,7 @@ def test_float32_tokens_through_captured_chunked_and_reused_steps_equal_the_cpu(
     cpu, gpu = unit_scale_decoder(), unit_scale_decoder("cuda")
     scheduler = Scheduler(gpu, max_slots=4, max_seq_len=4200, eos_id=None, max_num_tokens=256,
                           kv_cache=KVCacheOptions(block_size=32))
-    prompts = [_ids(200 + k, n) for k, n in enumerate((5, 40, 77))]
+    prompts = [random_ids(200 + k, n) for k, n in enumerate((5, 40, 77))]
     handles = [scheduler.submit(gpu.embed(torch.tensor(ids, device="cuda")), ids, SamplingParams(max_output_len=24),
                                 prefix=ids) for ids in prompts]
     for _ in range(4):
@@ -99,11 +93,11 @@ def test_float8_kv_logits_stay_within_5_percent_of_bfloat16_kv():
     """Stated error of the float8 cache: relative norm of the logits' difference under 5e-2 over 24 decode steps
     after a 40-position prompt (the CPU check of the same model in float32 gives about 2e-2)."""
     model = unit_scale_decoder("cuda", torch.bfloat16)
-    ids = torch.tensor([_ids(300 + row, 64) for row in range(2)], device="cuda")
+    ids = torch.tensor([random_ids(300 + row, 64) for row in range(2)], device="cuda")
     plain, _ = captured_decode_logits(model, ids, 40)
     fp8, step = captured_decode_logits(model, ids, 40, kv_scales=calibrated_kv_scales(model))
     assert step.cache.data.dtype == FP8_DTYPE and step.graph_count > 0
-    error = _relative_error(fp8, plain)
+    error = relative_error(fp8, plain)
     assert error < 5e-2, f"relative error {error:.3e}"
 
 

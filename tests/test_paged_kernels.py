@@ -13,9 +13,9 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import TRITON_INTERPRETED, run_under_triton_interpreter  # noqa: E402
 from exporter.llm import paged_attention  # noqa: E402
 from exporter.llm.paged_attention import FP8_DTYPE, Chunk, PagedBatch, PagedKVCache  # noqa: E402
+from support.kernels import TRITON_INTERPRETED, run_under_triton_interpreter  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_tiny_gpt_weights
 from exporter.llm.config import DecoderConfig
 from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
@@ -15,42 +14,26 @@ from exporter.llm.paged_attention import FP8_DTYPE, PagedBatch, PagedKVCache, pa
 from exporter.runtime.cuda_graphs import Piece
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
 from exporter.runtime.scheduler import Scheduler, generate
-from test_generate import reference_beam_search
-from test_scheduler import CONFIG as SCHEDULER_CONFIG
-from test_scheduler import VOCAB, _run
-
-CONFIG = {**SCHEDULER_CONFIG, "max_position_embeddings": 32768}  # the scheduler tests' model, for long prompts
+from support.decoders import (
+    LONG_CONFIG,
+    SCHEDULER_VOCAB,
+    make_tiny_gpt_weights,
+    random_ids,
+    unit_scale_decoder,
+)
+from support.decoding import reference_beam_search, run_until_idle, static_greedy
 
 
 @pytest.fixture(scope="module")
 def model() -> Decoder:
-    weights = {k: v for k, v in make_tiny_gpt_weights(CONFIG, vocab=VOCAB, seed=3).items() if not k.endswith(".bias")}
-    return Decoder.from_state_dict(DecoderConfig.from_nemo(CONFIG, vocab_size=VOCAB), select_llm_weights(weights))
-
-
-def _ids(seed: int, length: int) -> list[int]:
-    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+    weights = {k: v for k, v in make_tiny_gpt_weights(LONG_CONFIG, vocab=SCHEDULER_VOCAB, seed=3).items()
+               if not k.endswith(".bias")}
+    return Decoder.from_state_dict(DecoderConfig.from_nemo(LONG_CONFIG, vocab_size=SCHEDULER_VOCAB),
+                                   select_llm_weights(weights))
 
 
 def _embeds(model: Decoder, ids: list[int]) -> torch.Tensor:
     return model.embed(torch.tensor(ids))
-
-
-@torch.inference_mode()
-def static_greedy(model: Decoder, embeds: torch.Tensor, count: int) -> list[int]:
-    """Greedy tokens through the static cache: one prefill, then one decode step per token (no paging)."""
-    length = len(embeds)
-    cache = model.new_kv_cache(1, length + count)
-    logits = model(embeds[None], kv_cache=cache)[0, -1]
-    tokens = []
-    for step in range(count):
-        top2 = logits.topk(2).values
-        assert top2[0] - top2[1] > 1e-4, "a near-tie: pick another prompt"  # well posed in float32
-        tokens.append(int(logits.argmax()))
-        position = length + step
-        logits = model(model.embed(torch.tensor([[tokens[-1]]])), torch.tensor([[position]]), cache,
-                       kv_len=position + 1)[0, -1]
-    return tokens
 
 
 def _scheduler(model: Decoder, *, block_size: int = 4, max_num_tokens: int = 512, kv_cache_bytes: int | None = None,
@@ -108,10 +91,10 @@ def test_block_pool_counts_references_and_evicts_cached_blocks_oldest_first():
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 def test_paged_generation_equals_the_static_cache(model, block_size):
-    prompts = [_ids(10 + n, n) for n in (1, 4, 5, 17, 33)]
+    prompts = [random_ids(10 + n, n) for n in (1, 4, 5, 17, 33)]
     scheduler = _scheduler(model, block_size=block_size, max_slots=3)
     handles = [scheduler.submit(_embeds(model, ids), ids, SamplingParams(max_output_len=9)) for ids in prompts]
-    _run(scheduler)
+    run_until_idle(scheduler)
     for ids, handle in zip(prompts, handles):
         assert handle.result(timeout=0) == static_greedy(model, _embeds(model, ids), 9)
     stats = scheduler.stats()
@@ -130,14 +113,14 @@ def test_chunked_prefill_equals_unchunked_while_others_decode(model):
         return launch(rows, furthest, pieces, *args, **kwargs)
 
     scheduler.forward.launch = counting
-    early = _ids(20, 5)
+    early = random_ids(20, 5)
     handles = [(early, scheduler.submit(_embeds(model, early), early, SamplingParams(max_output_len=30)))]
     for _ in range(3):
         scheduler.step()
     for seed, length in ((21, 23), (22, 40), (23, 9)):
-        ids = _ids(seed, length)
+        ids = random_ids(seed, length)
         handles.append((ids, scheduler.submit(_embeds(model, ids), ids, SamplingParams(max_output_len=8))))
-    _run(scheduler)
+    run_until_idle(scheduler)
     assert max(chunks) <= 6 and sum(chunks) == 5 + 23 + 40 + 9
     for ids, handle in handles:
         assert handle.result(timeout=0) == static_greedy(model, _embeds(model, ids), len(handle.result(timeout=0)))
@@ -147,13 +130,13 @@ def test_chunked_prefill_equals_unchunked_while_others_decode(model):
 def test_a_16k_position_prompt_through_chunks_equals_the_static_cache(model):
     """A video-sized prompt (16,400 feature positions) prefilled in chunks while a short request decodes."""
     generator = torch.Generator().manual_seed(5)
-    features = torch.randn(16_400, CONFIG["hidden_size"], generator=generator)
+    features = torch.randn(16_400, LONG_CONFIG["hidden_size"], generator=generator)
     scheduler = _scheduler(model, block_size=32, max_num_tokens=2048, max_slots=2, max_seq_len=16_416)
-    short = _ids(30, 6)
+    short = random_ids(30, 6)
     first = scheduler.submit(_embeds(model, short), short, SamplingParams(max_output_len=40))
     scheduler.step()
     long = scheduler.submit(features, [-1] * len(features), SamplingParams(max_output_len=4))
-    steps = _run(scheduler)
+    steps = run_until_idle(scheduler)
     assert steps > 16_400 // 2048  # in chunks
     assert long.result(timeout=0) == static_greedy(model, features, 4)
     assert first.result(timeout=0) == static_greedy(model, _embeds(model, short), 40)
@@ -166,7 +149,7 @@ def _media_prompt(model: Decoder, text: list[int], image: str, question: list[in
     """Text ids, 10 "feature" positions of an image (embeddings drawn from its name) and a question: the
     embeddings, the ids behind them and what each position holds."""
     seed = sum(image.encode())
-    features = torch.randn(10, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(seed))
+    features = torch.randn(10, LONG_CONFIG["hidden_size"], generator=torch.Generator().manual_seed(seed))
     embeds = torch.cat([_embeds(model, text), features, _embeds(model, question)])
     ids = text + [-1] * 10 + question
     prefix = text + [((image,), 0, offset) for offset in range(10)] + question
@@ -175,22 +158,22 @@ def _media_prompt(model: Decoder, text: list[int], image: str, question: list[in
 
 def test_a_repeated_prompt_and_image_reuses_the_cached_blocks(model):
     scheduler = _scheduler(model, block_size=4)
-    text, question = _ids(40, 6), _ids(41, 5)  # 6 + 10 + 5 = 21 positions: 5 full blocks
+    text, question = random_ids(40, 6), random_ids(41, 5)  # 6 + 10 + 5 = 21 positions: 5 full blocks
     embeds, ids, prefix = _media_prompt(model, text, "cat.png", question)
     expected = static_greedy(model, embeds, 8)
     first = scheduler.submit(embeds, ids, SamplingParams(max_output_len=8), prefix=prefix)
-    _run(scheduler)
+    run_until_idle(scheduler)
     assert first.result(timeout=0) == expected and scheduler.prefilled_positions == 21
     assert scheduler.stats().kv_blocks_cached == 5  # the prompt's full blocks stay for reuse
 
     again = scheduler.submit(embeds, ids, SamplingParams(max_output_len=8), prefix=prefix)
-    _run(scheduler)
+    run_until_idle(scheduler)
     assert again.result(timeout=0) == expected
     assert scheduler.reused_positions == 20 and scheduler.prefilled_positions == 21 + 1  # one position computed
 
     other_embeds, other_ids, other_prefix = _media_prompt(model, text, "dog.png", question)  # same text, other image
     other = scheduler.submit(other_embeds, other_ids, SamplingParams(max_output_len=8), prefix=other_prefix)
-    _run(scheduler)
+    run_until_idle(scheduler)
     assert other.result(timeout=0) == static_greedy(model, other_embeds, 8)
     assert scheduler.reused_positions == 20 + 4  # only the block of text before the image
 
@@ -199,7 +182,7 @@ def test_a_prompt_reused_whole_copies_its_last_block_before_writing(model):
     """Copy-on-write: a cached prompt of whole blocks is reused entirely; its last position is computed again into
     a copy of the last block, so the cached block stays as it was for the next request."""
     scheduler = _scheduler(model, block_size=4)
-    ids = _ids(50, 12)  # three full blocks
+    ids = random_ids(50, 12)  # three full blocks
     expected = static_greedy(model, _embeds(model, ids), 6)
     handles = []
     for _ in range(3):
@@ -209,7 +192,7 @@ def test_a_prompt_reused_whole_copies_its_last_block_before_writing(model):
             request = scheduler.slots[0]
             shared = scheduler.pool.lookup(prefix_keys(ids, 4))
             assert request.blocks.tables[0][:2] == shared[:2] and request.blocks.tables[0][2] != shared[2]
-        _run(scheduler)
+        run_until_idle(scheduler)
     assert all(handle.result(timeout=0) == expected for handle in handles)
     assert scheduler.reused_positions == 2 * 11 and scheduler.prefilled_positions == 12 + 2
 
@@ -218,29 +201,29 @@ def test_beams_share_the_prompt_and_copy_its_partial_block(model):
     """A beam search's rows share its prompt's blocks (here also reused from an earlier request); each row other
     than the first copies the partly filled last block before writing: the beams equal the reference search."""
     scheduler = _scheduler(model, block_size=4, max_slots=6, max_beam_width=3)
-    ids = _ids(60, 10)
+    ids = random_ids(60, 10)
     scheduler.submit(_embeds(model, ids), ids, SamplingParams(max_output_len=3), prefix=ids)
-    _run(scheduler)
+    run_until_idle(scheduler)
     params = SamplingParams(max_output_len=7, num_beams=3)
     beams = scheduler.submit(_embeds(model, ids), ids, params, prefix=ids)
-    greedy_ids = _ids(61, 7)
+    greedy_ids = random_ids(61, 7)
     greedy = scheduler.submit(_embeds(model, greedy_ids), greedy_ids, SamplingParams(max_output_len=12))
     scheduler.step()
     tables = scheduler.slots[0].blocks.tables
     assert tables[0][:2] == tables[1][:2] == tables[2][:2]  # full prompt blocks shared (and reused)
     assert len({table[2] for table in tables}) == 3  # the partial one: the first row's and two copies
-    _run(scheduler)
+    run_until_idle(scheduler)
     assert beams.results(timeout=0) == reference_beam_search(model, ids, params)
     assert greedy.result(timeout=0) == static_greedy(model, _embeds(model, greedy_ids), 12)
     assert scheduler.reused_positions == 8
 
 
 def test_reuse_off_and_requests_without_a_prefix_share_nothing(model):
-    ids = _ids(70, 12)
+    ids = random_ids(70, 12)
     for scheduler, prefix in ((_scheduler(model, reuse=False), ids), (_scheduler(model), None)):
         for _ in range(2):
             scheduler.submit(_embeds(model, ids), ids, SamplingParams(max_output_len=3), prefix=prefix)
-            _run(scheduler)
+            run_until_idle(scheduler)
         assert scheduler.reused_positions == 0 and scheduler.stats().kv_blocks_cached == 0
 
 
@@ -251,7 +234,7 @@ def test_requests_wait_while_the_pool_is_full_and_then_complete(model):
     # each request: 10 prompt + 10 new positions = 5 blocks of 4; the pool holds 8 blocks: one request at a time
     scheduler = _scheduler(model, block_size=4, kv_cache_bytes=8 * _block_bytes(model, 4), reuse=False)
     assert scheduler.pool.capacity == 8
-    prompts = [_ids(80 + k, 10) for k in range(3)]
+    prompts = [random_ids(80 + k, 10) for k in range(3)]
     handles = [scheduler.submit(_embeds(model, ids), ids, SamplingParams(max_output_len=10)) for ids in prompts]
     scheduler.step()
     stats = scheduler.stats()
@@ -267,7 +250,7 @@ def test_requests_wait_while_the_pool_is_full_and_then_complete(model):
 
 def test_a_request_the_pool_can_never_hold_is_refused_with_the_option_to_change(model):
     scheduler = _scheduler(model, block_size=4, kv_cache_bytes=8 * _block_bytes(model, 4))
-    ids = _ids(90, 20)
+    ids = random_ids(90, 20)
     with pytest.raises(ValueError, match=r"needs 9 KV-cache blocks .* has 8; raise kv_cache_free_gpu_mem_fraction "
                                          r"\(or kv_cache_bytes\)"):
         scheduler.submit(_embeds(model, ids), ids, SamplingParams(max_output_len=16))
@@ -280,14 +263,14 @@ def test_a_request_the_pool_can_never_hold_is_refused_with_the_option_to_change(
 
 def test_beams_and_sampled_rows_in_chunked_steps_get_their_answers_alone(model):
     requests = [
-        (_ids(100, 13), SamplingParams(max_output_len=9, num_beams=2)),
-        (_ids(101, 7), SamplingParams(max_output_len=10, top_k=0, top_p=0.9, temperature=0.8, seed=11)),
-        (_ids(102, 21), SamplingParams(max_output_len=8, repetition_penalty=1.3)),
-        (_ids(103, 5), SamplingParams(max_output_len=6, num_beams=3)),
+        (random_ids(100, 13), SamplingParams(max_output_len=9, num_beams=2)),
+        (random_ids(101, 7), SamplingParams(max_output_len=10, top_k=0, top_p=0.9, temperature=0.8, seed=11)),
+        (random_ids(102, 21), SamplingParams(max_output_len=8, repetition_penalty=1.3)),
+        (random_ids(103, 5), SamplingParams(max_output_len=6, num_beams=3)),
     ]
     scheduler = _scheduler(model, block_size=4, max_num_tokens=5, max_slots=6, max_beam_width=3)
     handles = [scheduler.submit(_embeds(model, ids), ids, params, prefix=ids) for ids, params in requests]
-    _run(scheduler)
+    run_until_idle(scheduler)
     for (ids, params), handle in zip(requests, handles):
         assert handle.results(timeout=0) == generate(model, [_embeds(model, ids)], [ids], [params])[0]
         if params.num_beams > 1:
@@ -297,23 +280,13 @@ def test_beams_and_sampled_rows_in_chunked_steps_get_their_answers_alone(model):
 # --- float8 --------------------------------------------------------------------------------------------------------
 
 
-def unit_scale_decoder(device: str = "cpu", dtype: torch.dtype = torch.float32) -> Decoder:
-    """The tiny decoder with its matrices scaled by 1/sqrt(fan-in): activations of unit scale, as trained models
-    keep them (the float8 comparisons need realistic ranges)."""
-    weights = make_tiny_gpt_weights(CONFIG, vocab=VOCAB, seed=4)
-    weights = {k: v / v.shape[-1] ** 0.5 if v.ndim == 2 and "embedding" not in k else v
-               for k, v in weights.items() if not k.endswith(".bias")}
-    return Decoder.from_state_dict(DecoderConfig.from_nemo(CONFIG, vocab_size=VOCAB), select_llm_weights(weights),
-                                   dtype=dtype, device=device)
-
-
 @torch.inference_mode()
 def test_a_float8_cache_quantizes_on_write_dequantizes_on_read_and_stays_close():
     """The float8 cache holds `value / scale` in e4m3 (layer 0, whose inputs are the same, byte for byte), attention
     over it equals attention over its values multiplied back, and the logits of a model with unit-scale
     activations stay within 5% of the float32 cache's."""
     model = unit_scale_decoder()
-    ids = _ids(110, 30)
+    ids = random_ids(110, 30)
     embeds = _embeds(model, ids)
     runs = {}
     for dtype in ("auto", "fp8"):
@@ -331,7 +304,7 @@ def test_a_float8_cache_quantizes_on_write_dequantizes_on_read_and_stays_close()
     assert torch.equal(quantized.view(torch.uint8), fp8.data[0, :, table].view(torch.uint8))
 
     dequantized = PagedKVCache(fp8.data.float() * fp8.scales[:, :, None, None, :, None])
-    query = torch.randn(1, CONFIG["num_attention_heads"], CONFIG["kv_channels"])
+    query = torch.randn(1, LONG_CONFIG["num_attention_heads"], LONG_CONFIG["kv_channels"])
     tables = torch.tensor([table], dtype=torch.int32)
     for cache in (fp8, dequantized):
         batch = PagedBatch(cache, rows=1, tables=tables, positions=torch.tensor([29]), span=30)

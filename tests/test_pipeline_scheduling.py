@@ -17,10 +17,9 @@ from exporter import TensorRTMMExporter
 from exporter.engine import EngineLimits, LimitError
 from exporter.llm.generate import SamplingParams
 from exporter.runtime import Request
+from support.demo import DEMO_IMAGES, DEMO_NEMO
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
-IMAGES = REPO / "demo" / "images"
 QUESTION = "What shape is this?"
 
 
@@ -34,11 +33,11 @@ def exporter(tmp_path_factory) -> TensorRTMMExporter:
 
 
 def _requests() -> list[Request]:
-    image = str(IMAGES / "red_circle.png")
+    image = str(DEMO_IMAGES / "red_circle.png")
     return [
         Request(QUESTION, image, SamplingParams(max_output_len=6)),
         Request(QUESTION, image, SamplingParams(max_output_len=6, num_beams=3)),
-        Request("What color is the shape?", str(IMAGES / "blue_triangle.png"),
+        Request("What color is the shape?", str(DEMO_IMAGES / "blue_triangle.png"),
                 SamplingParams(max_output_len=8, top_k=0, top_p=0.95, temperature=1.5, seed=7)),
         Request(QUESTION, image, SamplingParams(max_output_len=5, num_beams=2, repetition_penalty=1.5)),
         Request(QUESTION, image, SamplingParams(max_output_len=7, top_k=3, temperature=2.0, seed=1,
@@ -69,7 +68,7 @@ def test_mixed_requests_in_one_call_and_from_concurrent_callers_get_their_answer
 
 def test_num_beams_over_max_beam_width_is_refused_at_once_with_flat_memory(exporter):
     process = psutil.Process()
-    image = str(IMAGES / "red_circle.png")
+    image = str(DEMO_IMAGES / "red_circle.png")
     exporter.generate([Request(QUESTION, image, SamplingParams(max_output_len=2))])  # warm
     rss = process.memory_info().rss
     start = time.perf_counter()
@@ -99,7 +98,7 @@ def test_max_beam_width_is_recorded_and_older_engines_load_with_one(exporter, tm
     try:
         assert loaded.engine.limits.max_beam_width == 1
         with pytest.raises(LimitError, match="num_beams=2 is over the engine's max_beam_width=1"):
-            loaded.forward(QUESTION, str(IMAGES / "red_circle.png"), num_beams=2)
+            loaded.forward(QUESTION, str(DEMO_IMAGES / "red_circle.png"), num_beams=2)
     finally:
         loaded.pipeline.close()
 

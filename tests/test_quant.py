@@ -13,7 +13,6 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import make_tiny_gpt_weights
 from exporter import TensorRTMMExporter
 from exporter.llm.config import QUANT_METHODS, DecoderConfig, QuantConfig
 from exporter.llm.model import Decoder, select_llm_weights
@@ -21,9 +20,10 @@ from exporter.llm.quant import QuantLinear, dequantize, quantize
 from exporter.llm.quant.convert import quantize_decoder_weights
 from exporter.llm.quant.formats import QuantLayout, group_size_for
 from exporter.llm.quant.kernels import quantized_linear
+from support.decoders import make_tiny_gpt_weights
+from support.demo import DEMO_NEMO
 
 REPO = Path(__file__).resolve().parents[1]
-DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
 CONFIG = {
     "num_layers": 2, "hidden_size": 64, "ffn_hidden_size": 80, "num_attention_heads": 4, "num_query_groups": 2,
     "activation": "fast-swiglu", "normalization": "rmsnorm", "bias": True, "position_embedding_type": "rope",

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import load_demo_builder, stop_server, wait_until_ready
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.checkpoint import NemoCheckpoint
@@ -21,7 +20,8 @@ from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.quant.calibrate import calibration_ids, calibration_prompts
 from exporter.llm.quant.convert import quantize_decoder_weights
 from query import NemoQueryMultimodal
-from test_demo_accuracy import DEMO_NEMO, FRESH_SEED, IMAGES
+from support.demo import DEMO_NEMO, FRESH_IMAGES, FRESH_SEED, load_demo_builder
+from support.servers import stop_server, wait_until_ready
 
 QUESTIONS = ("What shape is this?", "What color is the shape?")
 BATCH = 8
@@ -35,7 +35,7 @@ TEXTS = ("The quick brown fox jumps over the lazy dog near the river bank.",
 
 @pytest.fixture(scope="module")
 def examples():
-    return load_demo_builder().sample_examples(np.random.default_rng(FRESH_SEED), IMAGES)
+    return load_demo_builder().sample_examples(np.random.default_rng(FRESH_SEED), FRESH_IMAGES)
 
 
 def _answers(model_dir, examples, dtype: str, quantization: str | None) -> list[str]:
@@ -67,7 +67,7 @@ def test_demo_answers_as_the_float_engine_on_200_images(tmp_path, examples, floa
     answers = _answers(tmp_path, examples, dtype, method)
     reference = float_answers[dtype]
     agreement = np.mean([a == b for a, b in zip(answers, reference)])
-    assert len(answers) == len(reference) == 2 * IMAGES
+    assert len(answers) == len(reference) == 2 * FRESH_IMAGES
     assert agreement >= AGREEMENT[method], f"{method} {dtype}: {agreement:.3f} of answers agree"
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import captured_decode_logits, make_tiny_gpt_weights
 from exporter.llm.config import QUANT_METHODS, DecoderConfig, QuantConfig
 from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
@@ -19,6 +18,8 @@ from exporter.llm.quant import kernels
 from exporter.llm.quant.convert import quantize_decoder_weights
 from exporter.llm.quant.formats import QuantLayout, dequantize, quantize
 from exporter.runtime.scheduler import Scheduler, generate
+from support.decoders import make_tiny_gpt_weights
+from support.decoding import captured_decode_logits, relative_error
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available() or kernels.triton is None,
                                 reason="needs a CUDA GPU and Triton")
@@ -30,10 +31,6 @@ CONFIG = {
     "activation": "fast-swiglu", "normalization": "rmsnorm", "bias": False, "position_embedding_type": "rope",
     "share_embeddings_and_output_weights": False, "layernorm_epsilon": 1e-5, "max_position_embeddings": 256,
 }
-
-
-def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((ours.float() - reference.float()).norm() / reference.float().norm()).item()
 
 
 @pytest.mark.parametrize("method", QUANT_METHODS)
@@ -65,7 +62,7 @@ def test_every_candidate_equals_dequantize_then_matmul(method):
                 outputs["chosen"] = kernels.quantized_linear(x, layout, *tensors)
             for name, out in outputs.items():
                 limit = 5e-2 if name in ("scaled_mm", "chosen") and method == "fp8" else 1e-2
-                error = _relative_error(out, reference)
+                error = relative_error(out, reference)
                 assert error < limit, f"{name}: {n}x{k}, {rows} rows: relative error {error:.2e}"
 
 
@@ -113,5 +110,5 @@ def test_bfloat16_logits_within_2e_2_of_float32(method):
         decoded, _ = captured_decode_logits(model, ids, 16)
         logits[dtype] = torch.cat([model(model.embed(ids[:, :16])), decoded], dim=1)
     limit = 5e-2 if method == "fp8" else 2e-2  # FP8 prefill may round activations too (`_scaled_mm`)
-    error = _relative_error(logits[torch.bfloat16], logits[torch.float32])
+    error = relative_error(logits[torch.bfloat16], logits[torch.float32])
     assert error < limit, f"relative error {error:.3e}"

@@ -13,9 +13,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from conftest import TRITON_INTERPRETED, run_under_triton_interpreter  # noqa: E402
 from exporter.llm.config import QUANT_METHODS, QuantConfig  # noqa: E402
 from exporter.llm.quant.formats import QuantLayout, dequantize, quantize  # noqa: E402
+from support.decoding import relative_error  # noqa: E402
+from support.kernels import TRITON_INTERPRETED, run_under_triton_interpreter  # noqa: E402
 
 # (N, K): LLaVA's qkv, proj, fc1 [gate; up], fc2 over 16; then unaligned
 LLAVA_SCALED = ((768, 256), (256, 256), (1376, 256), (256, 688))
@@ -52,10 +53,6 @@ def _reference(x: torch.Tensor, layout: QuantLayout, stored: dict, bias: torch.T
     return torch.nn.functional.linear(x.float(), weight, None if bias is None else bias.float())
 
 
-def _relative_error(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return ((ours.float() - reference).norm() / reference.norm()).item()
-
-
 def _tensors(stored: dict) -> tuple:
     return stored["weight"], stored["weight_scale"], stored.get("weight_zero"), stored.get("input_scale")
 
@@ -71,7 +68,7 @@ def test_decode_kernel_equals_dequantize_then_matmul(kernels, method, shape):
         x = torch.randn(rows, k, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(rows))
         out = kernels.fused_linear(x, layout, *_tensors(stored), bias, config={"BLOCK_N": 64, "BLOCK_K": block_k})
         assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
-        error = _relative_error(out, _reference(x, layout, stored, bias))
+        error = relative_error(out, _reference(x, layout, stored, bias))
         assert error < 1e-2, f"{rows} rows: relative error {error:.2e}"
 
 
@@ -87,7 +84,7 @@ def test_tensor_core_kernel_equals_dequantize_then_matmul(kernels, method, dtype
             x = torch.randn(rows, k, dtype=dtype, generator=torch.Generator().manual_seed(rows))
             config = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}
             out = kernels.fused_linear(x, layout, *_tensors(stored), bias, config=config)
-            error = _relative_error(out, _reference(x, layout, stored, bias))
+            error = relative_error(out, _reference(x, layout, stored, bias))
             assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"{n}x{k}, {rows} rows: {error:.2e}"
 
 
@@ -113,10 +110,10 @@ def test_every_tile_shape_of_the_search_space_computes_the_same(kernels):
     assert len(candidates) > 5
     for config in candidates:
         out = kernels.fused_linear(x, layout, *_tensors(stored), None, config=dict(config.kwargs))
-        assert _relative_error(out, reference) < 1e-2, config
+        assert relative_error(out, reference) < 1e-2, config
     x = torch.randn(20, 160, dtype=torch.float32, generator=torch.Generator().manual_seed(3))
     layout, stored = _stored("int4_wo", 65, 160, torch.float32, seed=6)
     reference = _reference(x, layout, stored, None)
     for config in kernels._tuned_mm_kernel.configs:
         out = kernels.fused_linear(x, layout, *_tensors(stored), None, config=dict(config.kwargs))
-        assert _relative_error(out, reference) < 1e-5, config
+        assert relative_error(out, reference) < 1e-5, config

@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from media_host import MediaHost
 from query import MediaError, NemoQueryMultimodal
 from query import media as media_io
-from query.query_multimodal import _request_groups, _stack, server_error_summary
+from query.query_multimodal import _request_groups, _stack
+from query.triton_client import server_error_summary
+from support.media_host import MediaHost
+from wire import AUDIO, IMAGE, VIDEO
 
 
 def _pixels(seed: int = 0, size=(6, 5)) -> np.ndarray:
@@ -139,22 +141,22 @@ def test_audio_signal_decoded(tmp_path):
 
 def test_media_goes_on_the_wire_encoded_by_default(png_file):
     path, pixels = png_file
-    encoded = NemoQueryMultimodal("localhost", "m", "neva")._media_inputs(str(path))
+    encoded = NemoQueryMultimodal("localhost", "m", "neva")._media_inputs(str(path), IMAGE)
     assert list(encoded) == ["input_media_bytes"] and encoded["input_media_bytes"][0] == path.read_bytes()
-    raw = NemoQueryMultimodal("localhost", "m", "vila", raw_pixels=True)._media_inputs(str(path))
+    raw = NemoQueryMultimodal("localhost", "m", "vila", raw_pixels=True)._media_inputs(str(path), IMAGE)
     np.testing.assert_array_equal(raw["input_media"], pixels[np.newaxis])
+    with pytest.raises(MediaError, match="not a decodable image"):
+        media_io.media_tensors(IMAGE, b"RIFF....")  # an image file is checked before it is sent
 
 
 def test_video_and_audio_wire_forms(tmp_path):
-    video = NemoQueryMultimodal("localhost", "m", "lita")._media_inputs(np.zeros((300, 4, 4, 3), np.uint8))
+    video = media_io.media_tensors(VIDEO, np.zeros((300, 4, 4, 3), np.uint8))
     assert video["input_media"].shape == (300, 4, 4, 3)  # every frame: the server samples them as trained
     (tmp_path / "a.wav").write_bytes(b"RIFF....")
-    audio = NemoQueryMultimodal("localhost", "m", "salm")._media_inputs(str(tmp_path / "a.wav"))
-    assert audio["input_media_bytes"][0] == b"RIFF...."
-    raw = NemoQueryMultimodal("localhost", "m", "salm")._media_inputs(np.ones(10, np.float32))
+    audio = media_io.media_tensors(AUDIO, str(tmp_path / "a.wav"))
+    assert audio["input_media_bytes"][0] == b"RIFF...."  # video and audio files go as they are
+    raw = media_io.media_tensors(AUDIO, np.ones(10, np.float32))
     assert raw["input_signal"].shape == (10,) and raw["input_signal_length"].tolist() == [10]
-    with pytest.raises(ValueError, match="unknown model_type"):
-        NemoQueryMultimodal("localhost", "m", "llava")
 
 
 def test_rows_are_grouped_into_requests():

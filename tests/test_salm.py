@@ -23,7 +23,7 @@ from exporter.media_safety import MediaPolicy
 from exporter.models.salm import SalmModel, salm_prompt, salm_template
 from exporter.perception.audio_io import AudioLimits, AudioLoadError, load_audio
 from exporter.runtime import Completion, Request
-from salm_fixtures import (
+from support.salm import (
     DEFAULT_QUESTION,
     PERCEPTION_CONFIG,
     RATE,

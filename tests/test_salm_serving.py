@@ -14,11 +14,11 @@ import pytest
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from conftest import stop_server, wait_until_ready
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from query import NemoQueryMultimodal
-from salm_fixtures import build_salm, write_clips
+from support.salm import build_salm, write_clips
+from support.servers import stop_server, wait_until_ready
 
 REPO = Path(__file__).resolve().parent.parent
 MODEL = "salm"

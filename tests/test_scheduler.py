@@ -9,46 +9,32 @@ from dataclasses import replace
 import pytest
 import torch
 
-from conftest import make_tiny_gpt_weights
 from exporter.llm.config import DecoderConfig
 from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.sampling import POSITION
 from exporter.llm.tokenizer import Tokenizer
 from exporter.runtime.scheduler import RequestCancelled, Scheduler, generate
-
-CONFIG = {
-    "num_layers": 2, "hidden_size": 32, "ffn_hidden_size": 48, "num_attention_heads": 4, "num_query_groups": 2,
-    "kv_channels": 8, "activation": "fast-swiglu", "normalization": "rmsnorm", "bias": False,
-    "position_embedding_type": "rope", "rotary_percentage": 1.0, "rotary_base": 10000,
-    "share_embeddings_and_output_weights": False, "layernorm_epsilon": 1e-5, "max_position_embeddings": 256,
-}
-VOCAB = 64
+from support.decoders import SCHEDULER_CONFIG, SCHEDULER_VOCAB, make_tiny_gpt_weights
+from support.decoding import run_until_idle
 
 
 @pytest.fixture(scope="module")
 def model() -> Decoder:
     torch.manual_seed(0)
-    weights = {k: v for k, v in make_tiny_gpt_weights({**CONFIG, "bias": False}, vocab=VOCAB).items()
-               if not k.endswith(".bias")}
-    return Decoder.from_state_dict(DecoderConfig.from_nemo(CONFIG, vocab_size=VOCAB), select_llm_weights(weights))
+    weights = make_tiny_gpt_weights({**SCHEDULER_CONFIG, "bias": False}, vocab=SCHEDULER_VOCAB)
+    weights = {k: v for k, v in weights.items() if not k.endswith(".bias")}
+    return Decoder.from_state_dict(DecoderConfig.from_nemo(SCHEDULER_CONFIG, vocab_size=SCHEDULER_VOCAB),
+                                   select_llm_weights(weights))
 
 
 def _prompt(model: Decoder, seed: int, length: int) -> tuple[torch.Tensor, list[int]]:
-    ids = torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+    ids = torch.randint(3, SCHEDULER_VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
     return model.embed(ids), ids.tolist()
 
 
 def _alone(model: Decoder, prompt, ids, params: SamplingParams) -> list[int]:
     return generate(model, [prompt], [ids], [params], eos_id=None)[0][0]
-
-
-def _run(scheduler: Scheduler) -> int:
-    steps = 0
-    while scheduler.step():
-        steps += 1
-        assert steps < 10_000
-    return steps
 
 
 REQUESTS = [
@@ -84,7 +70,7 @@ def test_newcomers_join_a_running_batch(model):
     scheduler.step()  # the step queued ahead of this one runs first; the newcomer is admitted at the next
     scheduler.step()
     assert sum(slot is not None for slot in scheduler.slots) == 2  # admitted between steps, decoding jointly
-    _run(scheduler)
+    run_until_idle(scheduler)
     assert late.result(timeout=0) == _alone(model, late_prompt, late_ids, SamplingParams(max_output_len=6))
     assert len(first.result(timeout=0)) == 20
 
@@ -98,15 +84,15 @@ def test_stop_conditions(model):
     by_end_id = scheduler.submit(prompt, ids, SamplingParams(max_output_len=10, end_id=end_id))
     by_eos = Scheduler(model, max_slots=1, max_seq_len=64, eos_id=end_id)
     by_eos_handle = by_eos.submit(prompt, ids, SamplingParams(max_output_len=10))
-    _run(scheduler)
-    _run(by_eos)
+    run_until_idle(scheduler)
+    run_until_idle(by_eos)
     assert by_end_id.result(timeout=0) == full[:stop_at] == by_eos_handle.result(timeout=0)
 
 
 class LetterTokenizer(Tokenizer):
     """Token i reads as one letter (a..z cycling), for stop strings."""
 
-    bos_id, eos_id, pad_id, vocab_size = None, None, None, VOCAB
+    bos_id, eos_id, pad_id, vocab_size = None, None, None, SCHEDULER_VOCAB
 
     def encode(self, text, add_bos=False):
         raise NotImplementedError
@@ -129,7 +115,7 @@ def test_stop_strings_end_a_request_like_generate(model):
     expected = generate(model, [prompt], [ids], [params], eos_id=None, tokenizer=tokenizer)[0][0]
     scheduler = Scheduler(model, max_slots=2, max_seq_len=64, eos_id=None, tokenizer=tokenizer)
     handle = scheduler.submit(prompt, ids, params)
-    _run(scheduler)
+    run_until_idle(scheduler)
     assert handle.result(timeout=0) == expected and len(expected) < 12
 
 
@@ -138,7 +124,7 @@ def test_streaming_callback_sees_tokens_in_order(model):
     streamed: dict[int, list[int]] = {0: [], 1: []}
     handles = [scheduler.submit(*_prompt(model, 20 + k, 4 + k), SamplingParams(max_output_len=8),
                                 on_token=streamed[k].append) for k in (0, 1)]
-    _run(scheduler)
+    run_until_idle(scheduler)
     for k, handle in enumerate(handles):
         assert streamed[k] == handle.result(timeout=0) and len(streamed[k]) == 8
 
@@ -155,7 +141,7 @@ def test_cancelled_request_frees_its_slot_and_others_continue(model):
     victim = scheduler.submit(*_prompt(model, 30, 5), SamplingParams(max_output_len=40), on_token=cancel_after_three)
     prompt, ids = _prompt(model, 31, 7)
     waiting = scheduler.submit(prompt, ids, SamplingParams(max_output_len=5))
-    steps = _run(scheduler)
+    steps = run_until_idle(scheduler)
     with pytest.raises(RequestCancelled, match="after 3 tokens"):
         victim.result(timeout=0)
     assert waiting.result(timeout=0) == _alone(model, prompt, ids, SamplingParams(max_output_len=5))
@@ -209,7 +195,7 @@ def test_admission_fills_the_lowest_free_slots(model):
     handles = [scheduler.submit(*request) for request in late]
     scheduler.step()
     assert scheduler.slots[0] is not None and scheduler.slots[2] is not None  # both around the busy row
-    _run(scheduler)
+    run_until_idle(scheduler)
     for handle, (prompt, ids, params) in zip(handles, late):
         assert handle.result(timeout=0) == _alone(model, prompt, ids, params)
 
@@ -344,11 +330,11 @@ def test_seeded_sampling_is_the_same_alone_and_in_any_batch(model):
     others = [scheduler.submit(*_prompt(model, 131 + k, 4 + k), SamplingParams(max_output_len=5 + 3 * k,
                                                                               top_k=4, seed=k))
               for k in range(3)]
-    _run(scheduler)  # a batch that ran before: the request lands on other rows with other neighbours
+    run_until_idle(scheduler)  # a batch that ran before: the request lands on other rows with other neighbours
     scheduler.submit(*_prompt(model, 135, 5), SamplingParams(max_output_len=4, num_beams=2))
     late = scheduler.submit(prompt, ids, params)
     unseeded = [scheduler.submit(prompt, ids, replace(params, seed=None)) for _ in range(2)]
-    _run(scheduler)
+    run_until_idle(scheduler)
     assert [late.result(timeout=0)] == alone and all(handle.done for handle in others)
     assert len({tuple(handle.result(timeout=0)) for handle in [late, *unseeded]}) == 3  # no seed: a random one
     assert _results_alone(model, prompt, ids, replace(params, seed=2025)) != alone
@@ -370,7 +356,7 @@ def test_a_stop_string_ending_a_continued_beam_rebuilds_the_search(model, monkey
     greedy_prompt, greedy_ids = _prompt(model, 141, 5)
     greedy = scheduler.submit(greedy_prompt, greedy_ids, SamplingParams(max_output_len=20))
     handle = scheduler.submit(prompt, ids, params)
-    _run(scheduler)
+    run_until_idle(scheduler)
     assert rebuilt and handle.results(timeout=0) == expected
     assert greedy.result(timeout=0) == _alone(model, greedy_prompt, greedy_ids, SamplingParams(max_output_len=20))
 
@@ -387,6 +373,6 @@ def test_a_beam_search_waits_for_enough_consecutive_free_rows(model):
     while not long.done:
         scheduler.step()
         assert not behind.done or wide.done  # first come, first served: nobody overtakes the beam search
-    _run(scheduler)
+    run_until_idle(scheduler)
     assert short.done and wide.results(timeout=0) == _results_alone(model, prompt, ids, wide.params)
     assert behind.done

@@ -6,30 +6,24 @@ import os
 import subprocess
 import sys
 import threading
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from conftest import load_demo_builder, stop_server
 from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
-from serving_support import assert_short_error, demo_deployed, http_infer, json_tensor, poll_ready
-
-REPO = Path(__file__).resolve().parent.parent
-DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
-MODEL = "demo"
-SHAPE_Q, COLOR_Q = "What shape is this?", "What color is the shape?"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with demo_deployed(tmp_path_factory.mktemp("engine"), max_batch_size=8, max_output_len=16,
-                       max_beam_width=2) as running:
-        yield running
+from support.demo import COLOR_Q, DEMO_NEMO, MODEL, SHAPE_Q, load_demo_builder
+from support.servers import (
+    REPO,
+    assert_short_error,
+    http_infer,
+    json_tensor,
+    poll_ready,
+    query_concurrently,
+    stop_server,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,27 +32,6 @@ def examples():
     builder = load_demo_builder()
     drawn = builder.sample_examples(np.random.default_rng(7), 8)
     return [(np.asarray(image), shape, color) for image, shape, color in drawn]
-
-
-def _query_concurrently(server, jobs) -> list:
-    """Send `jobs` (prompt, media, params) at once, alternating HTTP and gRPC; answers or QueryErrors."""
-    http_url, grpc_url, _ = server
-    start = threading.Barrier(len(jobs))
-
-    def run(index: int):
-        prompt, media, params = jobs[index]
-        url = http_url if index % 2 else grpc_url
-        if isinstance(media, bytes):  # sent as they are: the client would refuse to encode them
-            return _send_raw_bytes(url, prompt, media, start)
-        with NemoQueryMultimodal(url, MODEL, "neva") as client:
-            start.wait(timeout=60)
-            try:
-                return client.query(prompt, media, init_timeout=60, inference_timeout=120, **params)
-            except QueryError as error:
-                return error
-
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        return list(pool.map(run, range(len(jobs)), timeout=240))
 
 
 def _send_raw_bytes(url: str, prompt: str, media: bytes, start: threading.Barrier):
@@ -72,8 +45,8 @@ def _send_raw_bytes(url: str, prompt: str, media: bytes, start: threading.Barrie
             return error
 
 
-def test_client_answers_over_http_and_grpc(server):
-    http_url, grpc_url, _ = server
+def test_client_answers_over_http_and_grpc(demo_server):
+    http_url, grpc_url, _ = demo_server
     for url in (http_url, grpc_url):
         with NemoQueryMultimodal(url, MODEL, "neva") as client:
             assert client.query(SHAPE_Q, str(REPO / "demo/images/red_circle.png"), max_output_len=8).tolist() == [
@@ -82,11 +55,11 @@ def test_client_answers_over_http_and_grpc(server):
                 ["blue"]]
 
 
-def test_concurrent_requests_with_different_images_and_parameters(server, examples):
+def test_concurrent_requests_with_different_images_and_parameters(demo_server, examples):
     params = [{"max_output_len": 4 + k, "temperature": 0.5 + k / 4, "num_beams": 1 + k % 2} for k in range(8)]
     questions = [SHAPE_Q if k % 2 else COLOR_Q for k in range(8)]
     jobs = [(questions[k], examples[k][0], params[k]) for k in range(8)]
-    answers = _query_concurrently(server, jobs)
+    answers = query_concurrently(demo_server[0], demo_server[1], MODEL, jobs, send_bytes=_send_raw_bytes)
     for k, answer in enumerate(answers):
         _, shape, color = examples[k]
         assert not isinstance(answer, Exception), answer
@@ -94,14 +67,14 @@ def test_concurrent_requests_with_different_images_and_parameters(server, exampl
         assert answer[0, 0] == (shape if questions[k] == SHAPE_Q else color)
 
 
-def test_bad_requests_fail_alone_and_the_server_keeps_serving(server, examples):
+def test_bad_requests_fail_alone_and_the_server_keeps_serving(demo_server, examples):
     bad = {
         2: (SHAPE_Q, b"\x89PNG this is not an image", {}),
         4: ("tell me " * 300 + SHAPE_Q, examples[4][0], {"max_output_len": 4}),
         6: (SHAPE_Q, examples[6][0], {"top_p": 2.0, "max_output_len": 4}),
     }
     jobs = [bad.get(k, (SHAPE_Q, examples[k][0], {"max_output_len": 4})) for k in range(8)]
-    answers = _query_concurrently(server, jobs)
+    answers = query_concurrently(demo_server[0], demo_server[1], MODEL, jobs, send_bytes=_send_raw_bytes)
     assert isinstance(answers[2], PyTritonClientInferenceServerError) and "image" in str(answers[2]).lower()
     assert isinstance(answers[4], QueryError) and "max_input_len=200" in str(answers[4])
     assert isinstance(answers[6], QueryError) and "top_p" in str(answers[6])
@@ -113,9 +86,9 @@ def test_bad_requests_fail_alone_and_the_server_keeps_serving(server, examples):
         if k not in bad:
             assert not isinstance(answer, Exception), answer
             assert answer[0, 0] == examples[k][1]
-    with NemoQueryMultimodal(server[0], MODEL, "neva") as client:
+    with NemoQueryMultimodal(demo_server[0], MODEL, "neva") as client:
         assert client.query(COLOR_Q, examples[0][0], max_output_len=4).tolist() == [[examples[0][2]]]
-    assert server[2].triton.is_alive()
+    assert demo_server[2].triton.is_alive()
 
 
 def test_deploy_script_exports_serves_and_query_script_answers(tmp_path):

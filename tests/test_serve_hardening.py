@@ -17,10 +17,9 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from conftest import load_demo_builder
-from serving_support import ScriptServer as Server
-from serving_support import assert_short_error, demo_script_server, grpc_infer, http_infer, json_tensor
-from test_serve_demo import COLOR_Q, MODEL, SHAPE_Q
+from support.demo import COLOR_Q, MODEL, SHAPE_Q, demo_script_server, load_demo_builder
+from support.servers import ScriptServer as Server
+from support.servers import assert_short_error, grpc_infer, http_infer, json_tensor
 
 MAX_OUTPUT_LEN = 8
 FUZZ_REQUESTS = 2000
@@ -69,7 +68,8 @@ def test_a_50_mb_prompt_is_refused_at_once_and_memory_stays_flat(server):
         timings["grpc"].append(time.monotonic() - started)
         assert code == "INVALID_ARGUMENT" and "input_text is 50000000 bytes" in message
     print(f"50 MB prompt refused in {timings}")
-    assert all(min(seconds) < 0.5 for seconds in timings.values()), timings
+    # Sending 50 MB alone takes ~0.4 s on a busy 2-core machine; tokenizing them would take far longer than 2 s.
+    assert all(min(seconds) < 2.0 for seconds in timings.values()), timings
     assert server.rss() - before < 64 * 1024 * 1024, f"RSS {before >> 20} -> {server.rss() >> 20} MiB"
     assert server.process.poll() is None
 
@@ -142,7 +142,7 @@ def _mutated_triton(rng: random.Random, inputs: dict[str, np.ndarray], pictures)
         elif kind == "text":
             choice = rng.randrange(5)
             text = [b"", bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))),
-                    "<image> ".encode() * rng.randrange(1, 5) + SHAPE_Q.encode(),
+                    b"<image> " * rng.randrange(1, 5) + SHAPE_Q.encode(),
                     "".join(chr(rng.randrange(32, 0x2FFF)) for _ in range(rng.randrange(1, 200))).encode(),
                     b"tell me " * rng.randrange(100, 3000)][choice]
             inputs["input_text"] = np.array([[text]], dtype=object)

@@ -18,17 +18,14 @@ import pytest
 from pytriton.client import DecoupledModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from conftest import load_demo_builder, stop_server, wait_until_ready
 from deploy import DeployPyTriton
 from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
-from serving_support import assert_short_error, demo_deployed
+from support.demo import COLOR_Q, DEMO_NEMO, MODEL, SHAPE_Q, demo_deployed, load_demo_builder
+from support.servers import assert_short_error, stop_server, wait_until_ready
 
 REPO = Path(__file__).resolve().parent.parent
-DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
 RED_CIRCLE = REPO / "demo" / "images" / "red_circle.png"
-MODEL = "demo"
-SHAPE_Q, COLOR_Q = "What shape is this?", "What color is the shape?"
 MAX_OUTPUT_LEN = 300
 # The demo model answers one word; a repetition "penalty" far below 1 makes it repeat that word up to
 # max_output_len: a long, greedy answer (300 tokens take about 0.3 s on a CPU core).

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import make_tiny_gpt_weights, stop_server
 from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.checkpoint import NemoCheckpoint
@@ -33,10 +32,13 @@ from exporter.llm.tensor_parallel import (
     check_tensor_parallel,
     split_weights,
 )
-from exporter.nemo_writer import write_nemo
 from query import NemoQueryMultimodal
-from serving_support import poll_ready
-from vlm_fixtures import build_vlm, random_image, tokenizer_file
+from support.decoders import make_tiny_gpt_weights
+from support.media import random_image
+from support.servers import poll_ready, stop_server
+from support.tokenizer_files import tokenizer_file
+from support.vlm import build_vlm
+from tools.nemo_writer import write_nemo
 
 REPO = Path(__file__).resolve().parents[1]
 QUESTION = "What is in the picture?"

@@ -9,7 +9,6 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from conftest import train_sentencepiece
 from exporter.checkpoint import NemoCheckpoint
 from exporter.llm.tokenizer import (
     HuggingFaceTokenizer,
@@ -18,6 +17,7 @@ from exporter.llm.tokenizer import (
     load_saved_tokenizer,
     load_tokenizer,
 )
+from support.tokenizer_files import train_sentencepiece
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +184,7 @@ def test_missing_tokenizer_path_is_reported(tmp_path):
 def test_tokenizer_from_a_nemo_archive(sp_model, tmp_path, layout):
     import torch
 
-    from exporter.nemo_writer import write_nemo
+    from tools.nemo_writer import write_nemo
 
     config = {
         "num_layers": 1,

@@ -2,7 +2,6 @@
 
 import io
 
-import av
 import numpy as np
 import pytest
 import soundfile
@@ -18,15 +17,9 @@ from exporter.perception.video import (
     rounded_indices,
     video_neva_indices,
 )
+from support.media import encode_video, first_available, lossless_video, random_frames
 
 LEVEL_STEP = 20  # frame i of a generated lossy video is flat grey i * LEVEL_STEP
-
-
-def first_available(*codecs: str) -> str:
-    for codec in codecs:
-        if codec in av.codecs_available:
-            return codec
-    pytest.skip(f"none of the codecs {codecs} is in this FFmpeg build")
 
 
 CONTAINERS = {  # container format -> codecs to try, in order
@@ -36,21 +29,6 @@ CONTAINERS = {  # container format -> codecs to try, in order
 }
 
 
-def encode_video(frames: np.ndarray, container: str, codec: str, rate: int = 5, pix_fmt: str = "yuv420p") -> bytes:
-    """`frames` [T, H, W, 3] uint8 encoded into a `container` file, returned as bytes."""
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format=container) as output:
-        stream = output.add_stream(codec, rate=rate)
-        stream.height, stream.width = frames.shape[1:3]
-        stream.pix_fmt = pix_fmt
-        for frame in frames:
-            for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
-                output.mux(packet)
-        for packet in stream.encode():
-            output.mux(packet)
-    return buffer.getvalue()
-
-
 def grey_frames(count: int, height: int = 24, width: int = 32) -> np.ndarray:
     return np.stack([np.full((height, width, 3), i * LEVEL_STEP, np.uint8) for i in range(count)])
 
@@ -58,14 +36,6 @@ def grey_frames(count: int, height: int = 24, width: int = 32) -> np.ndarray:
 def frame_numbers(frames: np.ndarray) -> list[int]:
     """Which generated grey frame each decoded frame is (lossy codecs move levels by a few units)."""
     return [round(float(frame.mean()) / LEVEL_STEP) for frame in frames]
-
-
-def lossless_video(frames: np.ndarray) -> bytes:
-    return encode_video(frames, "matroska", first_available("ffv1"), pix_fmt="bgr0")
-
-
-def random_frames(count: int, seed: int = 0) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, (count, 24, 32, 3), dtype=np.uint8)
 
 
 def selected(source, select) -> np.ndarray:

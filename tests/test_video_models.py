@@ -8,23 +8,11 @@ import numpy as np
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_llm_parity import HIDDEN, llama_nemo_config, tiny_llama
-from test_video import lossless_video, random_frames
-from test_vision import (
-    LLM_HIDDEN,
-    model_config,
-    project_by_hand,
-    projector_state,
-    rel_err,
-    tiny_tower,
-    tower_state,
-)
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from transformers import PreTrainedTokenizerFast
 
-from conftest import train_sentencepiece
 from exporter.engine.directory import export_engine, load_engine
 from exporter.engine.limits import EngineLimits
 from exporter.llm.generate import SamplingParams
@@ -39,9 +27,14 @@ from exporter.models.lita import (
     split_im_vid_block,
 )
 from exporter.models.templates import get_template
-from exporter.nemo_writer import hf_llama_to_nemo, write_nemo
 from exporter.perception.projector import PROJECTOR_PREFIX
 from exporter.runtime.pipeline import Pipeline, Request
+from support.decoding import relative_error
+from support.media import lossless_video, random_frames
+from support.tiny_llama import HIDDEN, llama_nemo_config, tiny_llama
+from support.tokenizer_files import train_sentencepiece
+from support.vision_towers import LLM_HIDDEN, model_config, project_by_hand, projector_state, tiny_tower, tower_state
+from tools.nemo_writer import hf_llama_to_nemo, write_nemo
 
 torch.set_num_threads(1)
 LITA_TOKENS = ["<extra_id_4>", "<extra_id_5>", "<extra_id_8>", "<extra_id_9>"]
@@ -212,7 +205,7 @@ def test_video_neva_features_are_frame_major(tmp_path, clip_tower):
     per_frame = project_by_hand("linear", hidden, state)  # [4 frames, 16 tokens, H]
     expected = torch.cat([per_frame[0], per_frame[1], per_frame[2], per_frame[3]])
     assert block.shape == (4 * 16, LLM_HIDDEN) == (perception.features_per_item, LLM_HIDDEN)
-    assert rel_err(block, expected) < 1e-5
+    assert relative_error(block, expected) < 1e-5
 
 
 def test_video_neva_layout_takes_video_or_image_placeholder(tmp_path, clip_tower):
@@ -273,7 +266,7 @@ def test_vita_nemo_export_sampling_against_transformers(tmp_path, siglip_tower):
     # F = min(3, sample_frames 2) frames round(linspace(0, 2, 2)) = 0, 2 of the sampled; then 3 temporal means
     expected = torch.cat([per_frame[0], per_frame[2], per_frame.mean(dim=1)])
     assert block.shape == (2 * 9 + 3, LLM_HIDDEN)
-    assert rel_err(block, expected) < 1e-5
+    assert relative_error(block, expected) < 1e-5
     assert perception.features_per_item == 2 * 9 + 4
 
 
@@ -399,7 +392,7 @@ def assert_prompt_logits_match(pipeline, hf, text, media, embeds):
     layout = engine.perception.layout(text, blocks, engine.tokenizer, engine.template, True)
     ours = torch.cat([engine.decoder.embed(torch.tensor(p)) if isinstance(p, list) else p for p in layout.pieces])
     with torch.no_grad():
-        assert rel_err(engine.decoder(ours[None]), hf(inputs_embeds=embeds).logits) < 1e-4
+        assert relative_error(engine.decoder(ours[None]), hf(inputs_embeds=embeds).logits) < 1e-4
 
 
 def clip_features(parts, pipeline, frames):

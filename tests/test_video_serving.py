@@ -3,8 +3,6 @@ through a PyTriton server on loopback with the client sending the video file's b
 
 from __future__ import annotations
 
-import av
-import numpy as np
 import pytest
 
 from deploy import DeployPyTriton
@@ -15,18 +13,11 @@ from exporter.media_safety import MediaPolicy
 from exporter.perception.video import VideoLoadError
 from exporter.runtime import Request
 from query import NemoQueryMultimodal
-from vlm_fixtures import build_vlm, tokenizer_file
+from support.media import encode_mp4
+from support.tokenizer_files import tokenizer_file
+from support.vlm import VIDEO_TYPES, build_vlm
 
 STEPS = 5
-LITA = {"use_lita": True, "lita": {"visual_token_format": "im_vid_start_end", "lita_video_arch": "temporal_all_resolution",
-                                   "sample_frames": 2}}
-TYPES = {
-    "video-neva": dict(template="nvgpt", config_overrides={"data": {"media_type": "video", "num_frames": 3}}),
-    "lita": dict(template="v1", config_overrides={"mm_cfg": LITA, "data": {"media_type": "video", "num_frames": 6}}),
-    "vita": dict(template="llama_3", tower_type="siglip", projector_type="mlp_downsample", aspect="pad",
-                 config_overrides={"mm_cfg": {**LITA, "llm": {"model_type": "vita"}},
-                                   "data": {"media_type": "video", "num_frames": 6}}),
-}
 
 
 @pytest.fixture(scope="module")
@@ -35,33 +26,15 @@ def videos(tmp_path_factory):
     paths = []
     for seed, frames in ((1, 7), (2, 4), (3, 11)):
         path = folder / f"clip{seed}.mp4"
-        path.write_bytes(_encode_mp4(seed, frames))
+        path.write_bytes(encode_mp4(seed, frames))
         paths.append(path)
     return paths
 
 
-def _encode_mp4(seed: int, frames: int, size: int = 48) -> bytes:
-    import io
-
-    rng = np.random.default_rng(seed)
-    buffer = io.BytesIO()
-    with av.open(buffer, mode="w", format="mp4") as output:
-        stream = output.add_stream("mpeg4", rate=5)
-        stream.width = stream.height = size
-        stream.pix_fmt = "yuv420p"
-        for _ in range(frames):
-            image = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(image, format="rgb24")):
-                output.mux(packet)
-        for packet in stream.encode():
-            output.mux(packet)
-    return buffer.getvalue()
-
-
-@pytest.fixture(scope="module", params=list(TYPES))
+@pytest.fixture(scope="module", params=list(VIDEO_TYPES))
 def exported(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param)
-    vlm = build_vlm(folder / "ckpt", tokenizer_file(folder), **TYPES[request.param])
+    vlm = build_vlm(folder / "ckpt", tokenizer_file(folder), **VIDEO_TYPES[request.param])
     exporter = TensorRTMMExporter(folder / "engine", device="cpu")
     exporter.export(vlm.nemo, model_type=request.param, dtype="float32", max_batch_size=4, max_input_len=512,
                     max_output_len=8, max_multimodal_len=4 * 128, vision_max_batch_size=16)

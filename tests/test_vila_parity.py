@@ -8,7 +8,10 @@ import pytest
 from PIL import Image
 
 from exporter import TensorRTMMExporter
-from vlm_fixtures import CHAT, build_vlm, random_image, reference_tokens, tokenizer_file
+from support.media import random_image
+from support.neva_reference import reference_tokens
+from support.tokenizer_files import tokenizer_file
+from support.vlm import CHAT, build_vlm
 
 STEPS = 6
 TWO_IMAGES = "<image>\n<image>\ndescribe the image"
@@ -58,8 +61,8 @@ def test_client_sends_several_images_encoded(vila, tmp_path: Path):
     """The Triton rows carry several encoded images for one prompt (input_media_bytes), as the client sends them."""
     import numpy as np
 
-    from wire import split_request
     from query.media import image_bytes
+    from wire import split_request
 
     vlm, exporter = vila
     images = [random_image(17), random_image(18)]

@@ -1,19 +1,13 @@
 """Vision tower + projector + VisionEncoder against transformers' own CLIP/SigLIP models (tiny, CPU)."""
 
 import json
-import math
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 from transformers import (
     CLIPConfig,
     CLIPModel,
-    CLIPVisionConfig,
-    CLIPVisionModel,
-    SiglipVisionConfig,
-    SiglipVisionModel,
 )
 
 from exporter.perception import (
@@ -25,152 +19,27 @@ from exporter.perception import (
     build_vision_encoder,
 )
 from exporter.perception.projector import PROJECTOR_PREFIX
-from exporter.perception.vision_tower import TOWER_PREFIX
+from support.decoding import relative_error
+from support.projectors import downsample_by_windows
+from support.vision_towers import (
+    HEADS,
+    LLM_HIDDEN,
+    VISION_HIDDEN,
+    model_config,
+    pixels_for,
+    project_by_hand,
+    projector_state,
+    tiny_tower,
+    tower_state,
+)
 
 torch.set_num_threads(1)
-VISION_HIDDEN, LLM_HIDDEN, HEADS = 32, 48, 4
-
-
-def tiny_tower(tower_type: str, image_size: int = 32, layers: int = 3, seed: int = 0):
-    """A randomly initialised transformers vision model (the reference)."""
-    torch.manual_seed(seed)
-    sizes = {
-        "hidden_size": VISION_HIDDEN,
-        "intermediate_size": 64,
-        "num_hidden_layers": layers,
-        "num_attention_heads": HEADS,
-        "patch_size": 8,
-        "image_size": image_size,
-    }
-    if tower_type == "clip":
-        model = CLIPVisionModel(CLIPVisionConfig(**sizes))
-    else:
-        model = SiglipVisionModel(SiglipVisionConfig(**sizes))
-    for param in model.parameters():  # non-trivial norms / biases
-        param.data.add_(0.05 * torch.randn_like(param))
-    return model.eval()
-
-
-def tower_state(model, with_hf_prefix: bool = True) -> dict:
-    """Tower weights as NeMo stores an unfrozen tower (transformers 4.x names carry `vision_model.`)."""
-    prefix = TOWER_PREFIX + ("vision_model." if with_hf_prefix else "")
-    return {prefix + k.removeprefix("vision_model."): v.clone() for k, v in model.state_dict().items()}
-
-
-def projector_state(adapter: str, seed: int = 1) -> dict:
-    """Random projector weights under NeMo's key names for `adapter`."""
-    gen = torch.Generator().manual_seed(seed)
-    shapes = {
-        "linear": {"weight": (LLM_HIDDEN, VISION_HIDDEN), "bias": (LLM_HIDDEN,)},
-        "mlp2x_gelu": {
-            "0.weight": (LLM_HIDDEN, VISION_HIDDEN),
-            "0.bias": (LLM_HIDDEN,),
-            "2.weight": (LLM_HIDDEN, LLM_HIDDEN),
-            "2.bias": (LLM_HIDDEN,),
-        },
-        "mlp3x_gelu": {
-            "0.weight": (LLM_HIDDEN, VISION_HIDDEN),
-            "0.bias": (LLM_HIDDEN,),
-            "2.weight": (LLM_HIDDEN, LLM_HIDDEN),
-            "2.bias": (LLM_HIDDEN,),
-            "4.weight": (LLM_HIDDEN, LLM_HIDDEN),
-            "4.bias": (LLM_HIDDEN,),
-        },
-        "mlp_downsample": {
-            "1.weight": (4 * VISION_HIDDEN,),
-            "1.bias": (4 * VISION_HIDDEN,),
-            "2.weight": (LLM_HIDDEN, 4 * VISION_HIDDEN),
-            "2.bias": (LLM_HIDDEN,),
-            "4.weight": (LLM_HIDDEN, LLM_HIDDEN),
-            "4.bias": (LLM_HIDDEN,),
-        },
-        "identity": {},
-    }[adapter]
-    return {PROJECTOR_PREFIX + k: 0.2 * torch.randn(s, generator=gen) for k, s in shapes.items()}
-
-
-def model_config(adapter: str = "linear", llm_hidden: int = LLM_HIDDEN, **vision_fields):
-    vision = {
-        "from_pretrained": "openai/clip-vit-large-patch14-336",
-        "from_hf": True,
-        "hidden_size": VISION_HIDDEN,
-        "vision_select_layer": -2,
-        "vision_select_feature": "patch",
-        "class_token_length": 1,
-        "patch_dim": 8,
-        "crop_size": [32, 32],
-        "num_attention_heads": HEADS,
-        "freeze": True,
-    }
-    vision.update(vision_fields)
-    return OmegaConf.create(
-        {
-            "hidden_size": llm_hidden,
-            "data": {"image_aspect_ratio": "pad"},
-            "mm_cfg": {"mm_mlp_adapter_type": adapter, "vision_encoder": vision},
-        }
-    )
-
-
-def gelu(x):
-    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
-
-
-def layer_norm(x, weight, bias, eps=1e-5):
-    mean = x.mean(-1, keepdim=True)
-    var = ((x - mean) ** 2).mean(-1, keepdim=True)
-    return (x - mean) / torch.sqrt(var + eps) * weight + bias
-
-
-def downsample_by_windows(x):
-    """NeMo's 2x2 merge written as an explicit loop over windows (independent of the reshape code)."""
-    batch, tokens, dim = x.shape
-    side = math.isqrt(tokens)
-    padded = side + side % 2
-    grid = torch.zeros(batch, padded, padded, dim, dtype=x.dtype)
-    grid[:, :side, :side] = x.reshape(batch, side, side, dim)
-    half = padded // 2
-    out = torch.empty(batch, half * half, 4 * dim, dtype=x.dtype)
-    for i in range(half):  # column pair: the outer (slow) index of the output, as NeMo's transposed grid
-        for j in range(half):  # row pair
-            cells = [
-                grid[:, 2 * j, 2 * i],
-                grid[:, 2 * j, 2 * i + 1],
-                grid[:, 2 * j + 1, 2 * i],
-                grid[:, 2 * j + 1, 2 * i + 1],
-            ]
-            out[:, i * half + j] = torch.cat(cells, dim=-1)
-    return out
-
-
-def project_by_hand(adapter: str, x, state: dict):
-    w = {k[len(PROJECTOR_PREFIX) :]: v for k, v in state.items()}
-    if adapter == "identity":
-        return x
-    if adapter == "linear":
-        return x @ w["weight"].T + w["bias"]
-    if adapter == "mlp_downsample":
-        x = layer_norm(downsample_by_windows(x), w["1.weight"], w["1.bias"])
-        return gelu(x @ w["2.weight"].T + w["2.bias"]) @ w["4.weight"].T + w["4.bias"]
-    depth = int(adapter[3])
-    x = x @ w["0.weight"].T + w["0.bias"]
-    for index in range(2, 2 * depth, 2):
-        x = gelu(x) @ w[f"{index}.weight"].T + w[f"{index}.bias"]
-    return x
 
 
 def reference_features(model, pixels, select_layer=-2, drop=1):
     with torch.no_grad():
         hidden = model(pixel_values=pixels, output_hidden_states=True).hidden_states[select_layer]
     return hidden[:, drop:]
-
-
-def rel_err(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
-def pixels_for(size, batch=2, seed=3):
-    return torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("side", [4, 5])
@@ -211,7 +80,7 @@ def test_encoder_matches_transformers(tower_type, adapter, image_size):
     with torch.no_grad():
         got = encoder(pixels)
     assert got.shape == (2, encoder.tokens_per_image, llm_hidden)
-    assert rel_err(got, expected) < 1e-5
+    assert relative_error(got, expected) < 1e-5
     assert encoder.spec()["feature_layer"] == 2  # the last layer is not computed
 
 
@@ -227,7 +96,7 @@ def test_select_layer_and_feature(select_layer, select_feature):
     with torch.no_grad():
         got = encoder(pixels)
     assert got.shape[1] == encoder.tokens_per_image == 16 + 1 - drop
-    assert rel_err(got, expected) < 1e-5
+    assert relative_error(got, expected) < 1e-5
 
 
 def test_siglip_patch_keeps_all_tokens():
@@ -263,7 +132,7 @@ def test_tower_from_full_clip_folder(tmp_path):
     pixels = pixels_for(32)
     expected = project_by_hand("mlp2x_gelu", reference_features(full.vision_model, pixels), state)
     with torch.no_grad():
-        assert rel_err(encoder(pixels), expected) < 1e-5
+        assert relative_error(encoder(pixels), expected) < 1e-5
 
 
 def test_tower_from_vision_only_folder_via_vision_tower_path(tmp_path):
@@ -282,7 +151,7 @@ def test_tower_from_vision_only_folder_via_vision_tower_path(tmp_path):
     pixels = pixels_for(40)
     expected = project_by_hand("mlp_downsample", reference_features(model, pixels, drop=0), state)
     with torch.no_grad():
-        assert rel_err(encoder(pixels), expected) < 1e-5
+        assert relative_error(encoder(pixels), expected) < 1e-5
 
 
 def test_checkpoint_tower_weights_win_over_folder_weights(tmp_path):
@@ -294,7 +163,7 @@ def test_checkpoint_tower_weights_win_over_folder_weights(tmp_path):
     pixels = pixels_for(32)
     expected = project_by_hand("linear", reference_features(trained_model, pixels), state)
     with torch.no_grad():
-        assert rel_err(encoder(pixels), expected) < 1e-5
+        assert relative_error(encoder(pixels), expected) < 1e-5
 
 
 def test_hub_name_without_local_copy_names_vision_tower_path():

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 import torch
-from test_vision import model_config, pixels_for, projector_state, tiny_tower, tower_state
 
 from exporter.perception import build_vision_encoder, export_vision_onnx
+from support.vision_towers import model_config, pixels_for, projector_state, tiny_tower, tower_state
 
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")

@@ -1,10 +1,22 @@
 """The Triton wire format shared by the engine (`exporter`), the server (`deploy`) and the client (`query`).
 
-Tensor specs, a request's rows, the one mapping from parameter tensors to the engine's sampling fields, output
-encoding, and the `ITritonDeployable` contract. numpy only: PyTriton is imported when specs are built.
+Tensor specs, the media kinds and what a server publishes about its model (`wire.media`), a request's rows, the
+one mapping from parameter tensors to the engine's sampling fields, output encoding, and the `ITritonDeployable`
+contract. numpy only: PyTriton is imported when specs are built.
 """
 
 from wire.deployable import ITritonDeployable, default_warmup_request
+from wire.media import (
+    AUDIO,
+    IMAGE,
+    MEDIA_KINDS,
+    MODALITIES,
+    VIDEO,
+    MediaKind,
+    ServedModel,
+    media_kind,
+    served_parameters,
+)
 from wire.params import (
     LORA_UIDS,
     NO_LORA_UIDS,
@@ -24,28 +36,28 @@ from wire.request import (
 )
 from wire.response import decode_answer, encode_outputs
 from wire.tensors import (
-    MODALITIES,
-    MODEL_TYPE_MODALITY,
     STREAM_MODEL_SUFFIX,
-    VIDEO_MODEL_TYPES,
-    modality_of,
     multimodal_triton_inputs,
     multimodal_triton_outputs,
     stream_model_name,
 )
 
 __all__ = [
+    "AUDIO",
+    "IMAGE",
     "LORA_UIDS",
+    "MEDIA_KINDS",
     "MODALITIES",
-    "MODEL_TYPE_MODALITY",
     "NO_LORA_UIDS",
     "PARAMS",
     "PROMPT_BYTES_PER_TOKEN",
     "STREAM_MODEL_SUFFIX",
-    "VIDEO_MODEL_TYPES",
+    "VIDEO",
     "ITritonDeployable",
     "InferRequest",
+    "MediaKind",
     "RequestRow",
+    "ServedModel",
     "WireError",
     "WireLimits",
     "WireParam",
@@ -53,11 +65,12 @@ __all__ = [
     "default_warmup_request",
     "encode_outputs",
     "lora_uids_per_row",
-    "modality_of",
+    "media_kind",
     "multimodal_triton_inputs",
     "multimodal_triton_outputs",
     "param_tensors",
     "sampling_fields",
+    "served_parameters",
     "split_request",
     "stream_model_name",
 ]

@@ -60,6 +60,11 @@ class ITritonDeployable(ABC):
         """A valid request run once before the model is reported ready; override it if need be."""
         return default_warmup_request(self.get_triton_input)
 
+    def triton_model_parameters(self) -> dict[str, str]:
+        """Parameters published in the model's Triton config for clients to read (`wire.served_parameters`: the
+        model type and its media kinds). None by default."""
+        return {}
+
     def triton_input_byte_caps(self) -> dict[str, int]:
         """The most bytes each input of one request may hold; a request over a cap is refused before its tensors
         reach the model. None by default."""

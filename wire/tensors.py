@@ -21,36 +21,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from wire.media import MODALITIES
 from wire.params import LORA_UIDS, PARAMS
 
 if TYPE_CHECKING:
     from pytriton.model_config import Tensor
 
-MODEL_TYPE_MODALITY: dict[str, str] = {
-    "neva": "vision",
-    "video-neva": "vision",
-    "vila": "vision",
-    "lita": "vision",
-    "vita": "vision",
-    "salm": "audio",
-}
-"""Every model type served, with the modality it takes."""
-
-MODALITIES = ("vision", "audio")
-VIDEO_MODEL_TYPES = ("video-neva", "lita", "vita")
-
 STREAM_MODEL_SUFFIX = "_stream"
 """`DeployPyTriton(streaming=True)` serves the decoupled (streaming) model as `<triton_model_name>_stream`."""
-
-
-def modality_of(model_type: str) -> str:
-    """The modality ("vision" or "audio") of a model type; ValueError naming the valid types otherwise."""
-    try:
-        return MODEL_TYPE_MODALITY[model_type]
-    except KeyError:
-        raise ValueError(
-            f"unknown model_type {model_type!r}; choose one of {', '.join(MODEL_TYPE_MODALITY)}"
-        ) from None
 
 
 def stream_model_name(model_name: str) -> str:

@@ -54,17 +54,12 @@ class ServedModel:
 
     def media_kinds(self) -> dict[str, str]:
         """Content-part type → media kind this model takes."""
-        if self.exporter.modality == "audio":
-            return {"input_audio": "audio"}
-        if getattr(self.engine.perception, "media_name", "image") == "video":  # an image is a one-frame video
-            return {"image_url": "image", "video_url": "video"}
-        return {"image_url": "image"}
+        return {kind.openai_part: kind.name for kind in self.engine.perception.media}
 
     def placeholders(self) -> tuple[str, ...]:
         """The placeholder media take in the text (first) and the spellings the model also accepts."""
         perception = self.engine.perception
-        placeholder = getattr(perception, "placeholder", None)
-        return (placeholder, *getattr(perception, "placeholder_aliases", ())) if placeholder else ()
+        return (perception.placeholder, *perception.placeholder_aliases) if perception.placeholder else ()
 
     def cards(self) -> list[dict[str, Any]]:
         """The model list: the base model, then each LoRA adapter served as ``<name>:<uid>``."""

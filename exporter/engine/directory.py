@@ -17,7 +17,7 @@ import json
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -115,6 +115,8 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
         ExportQuantization.from_options(quantization, calib_data, device)
     target = torch_dtype(dtype)
     limits = limits or EngineLimits()
+    if limits.vision_max_batch_size is None:  # the manifest records the model type's default
+        limits = replace(limits, vision_max_batch_size=kind.perception.encoder_batch)
     with phase("read the checkpoint"):
         checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
         config = checkpoint.config
@@ -354,8 +356,10 @@ def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = 
     kind = get_model_type(manifest["model_type"])
     target = torch_dtype(dtype or manifest["dtype"])
     llm_dir = model_dir / LLM_DIR
+    limits = EngineLimits(**manifest["limits"])
     with ThreadPoolExecutor(1, thread_name_prefix="perception-load") as pool:
-        rest = pool.submit(_load_rest, kind, model_dir, device, target, media)  # while the LLM weights stream in
+        rest = pool.submit(_load_rest, kind, model_dir, device, target, media,  # while the LLM weights stream in
+                           limits.vision_max_batch_size)
         decoder = load_llm_shard(model_dir, shard, device, target, hash_check.digests[weights_file] if hash_check
                                  else None)
         if shard.size > 1 and (manifest.get("lora") is not None or (lora is not None and lora.asked)):
@@ -366,7 +370,7 @@ def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = 
     if hash_check is not None:
         with phase("finish the hash check"):
             hash_check.finish()
-    return Engine(manifest, EngineLimits(**manifest["limits"]), decoder, tokenizer, template, perception)
+    return Engine(manifest, limits, decoder, tokenizer, template, perception)
 
 
 def tensor_parallel_size(manifest: dict[str, Any]) -> int:
@@ -400,14 +404,15 @@ def load_llm_weights(model_dir: Path, device: str | torch.device, digest=None,
     return weights
 
 
-def _load_rest(kind, model_dir: Path, device: str, dtype: torch.dtype, media: MediaPolicy | None
-               ) -> tuple[Tokenizer, ChatTemplate, Perception]:
+def _load_rest(kind, model_dir: Path, device: str, dtype: torch.dtype, media: MediaPolicy | None,
+               encoder_batch: int | None) -> tuple[Tokenizer, ChatTemplate, Perception]:
     """Tokenizer, template and perception of an engine."""
     llm_dir = model_dir / LLM_DIR
     tokenizer = load_saved_tokenizer(llm_dir, json.loads((llm_dir / "tokenizer_description.json").read_text()))
     template = ChatTemplate.from_dict(json.loads((llm_dir / "template.json").read_text()))
     with phase("perception"):
-        perception = kind.load_perception(model_dir / kind.perception_dir, device=device, dtype=dtype, media=media)
+        perception = kind.load_perception(model_dir / kind.perception_dir, device=device, dtype=dtype, media=media,
+                                          encoder_batch=encoder_batch)
     return tokenizer, template, perception
 
 

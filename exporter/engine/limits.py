@@ -12,18 +12,19 @@ class LimitError(ValueError):
 @dataclass(frozen=True)
 class EngineLimits:
     """The sizes an engine was exported for (NeMo's export arguments of the same names; ``max_beam_width`` is
-    TensorRT-LLM's, default 1 as there)."""
+    TensorRT-LLM's, default 1 as there). ``vision_max_batch_size`` is the most media items (images, video frames,
+    audio clips) one perception-encoder call takes; None: the model type's default (its ``encoder_batch``)."""
 
     max_input_len: int = 4096
     max_output_len: int = 256
     max_batch_size: int = 1
     max_multimodal_len: int = 3072
-    vision_max_batch_size: int = 1
+    vision_max_batch_size: int | None = None
     max_beam_width: int = 1
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
-            if int(value) < 1:
+            if value is not None and int(value) < 1:
                 raise LimitError(f"{name} must be at least 1, got {value}")
         if self.max_beam_width > self.max_batch_size:
             raise LimitError(
@@ -74,5 +75,5 @@ class EngineLimits:
                 f"ask for fewer tokens or export with a larger max_output_len"
             )
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, int | None]:
         return asdict(self)

@@ -1,8 +1,11 @@
-"""What every model type answers: its modality, how media become features, and how a prompt is laid out.
+"""What every model type answers: what it takes, how media become features, and how a prompt is laid out.
 
 A model type (one module per ``--model_type``) builds its perception engine at export, rebuilds it from the engine
 directory at load, and turns one request (text + media) into a :class:`PromptLayout`: token-id pieces with feature
 blocks between them. The runtime embeds the ids, splices the features as embeddings and runs the LLM.
+
+What the rest of the system reads about a type is declared as class attributes of its :class:`Perception` (its
+media kinds, placeholder, limits); :class:`ModelType` derives its modality from them.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from wire.media import MediaKind
 
 from ..llm.tokenizer import Tokenizer
 from ..media_safety import MediaPolicy
@@ -48,11 +53,19 @@ def media_list(media: Any) -> list[Any]:
 
 
 class ModelType(ABC):
-    """The model-specific half of export and inference; the engine and runtime do the rest."""
+    """The model-specific half of export and inference; the engine and runtime do the rest.
+
+    A module of ``exporter.models`` registers its types in a module-level ``MODEL_TYPES`` tuple of instances.
+    """
 
     name: str
-    modality: str  # "vision" or "audio"
+    perception: type[Perception]  # the runtime half, whose class attributes declare what the type takes
     perception_dir: str  # "visual_engine" or "perception_engine"
+
+    @property
+    def modality(self) -> str:
+        """``vision`` or ``audio``: the Triton inputs that carry the type's raw media."""
+        return self.perception.media[0].modality
 
     @abstractmethod
     def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
@@ -68,9 +81,10 @@ class ModelType(ABC):
 
     @abstractmethod
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
-                        media: MediaPolicy | None = None) -> Perception:
+                        media: MediaPolicy | None = None, encoder_batch: int | None = None) -> Perception:
         """Rebuild the runtime perception (preprocessing + encoder) from ``directory``; ``media`` caps what the
-        perception decodes (pixels, frames, duration, bytes), None keeps its defaults."""
+        perception decodes (pixels, frames, duration, bytes), None keeps its defaults; ``encoder_batch`` is the
+        most items one encoder call takes (``vision_max_batch_size``; None: the perception's ``encoder_batch``)."""
 
     def chat_template(self, model_config: Any) -> ChatTemplate:
         """The prompt format the checkpoint was trained with (by default its conversation template)."""
@@ -84,7 +98,34 @@ class ModelType(ABC):
 
 
 class Perception(ABC):
-    """Runtime side of a model type: media → features, and text + features → prompt layout."""
+    """Runtime side of a model type: media → features, and text + features → prompt layout.
+
+    The class attributes are the type's declaration, read by the engine, the servers and (published in the Triton
+    config) the clients: ``media`` the kinds a request carries, the default first (``wire.media``: how clients
+    encode each); ``placeholder`` where media go in the text (None: the type places them itself) and the other
+    spellings it accepts; ``max_items`` the media items one request may carry (None: any number);
+    ``encoder_batch`` the default of ``vision_max_batch_size``, the most items one encoder call takes.
+    """
+
+    media: tuple[MediaKind, ...]
+    placeholder: str | None = None
+    placeholder_aliases: tuple[str, ...] = ()
+    max_items: int | None = None
+    encoder_batch: int = 16
+
+    @property
+    def media_name(self) -> str:
+        """The noun for one media item of the default kind, as messages use it."""
+        return self.media[0].noun
+
+    def checked_items(self, items: list[Any]) -> list[Any]:
+        """``items`` if there are no more than ``max_items``; MultimodalInputError otherwise."""
+        if self.max_items is not None and len(items) > self.max_items:
+            noun = self.media_name
+            allowed = f"one {noun}" if self.max_items == 1 else f"at most {self.max_items} {noun}s"
+            raise MultimodalInputError(f"this model takes {allowed} per request, got {len(items)} media items; "
+                                       "send them in separate requests")
+        return items
 
     @property
     @abstractmethod

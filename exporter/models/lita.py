@@ -191,8 +191,8 @@ class LitaPerception(VideoPerception):
     """LITA/VITA runtime: frames by the settings' sampling, spatial + temporal tokens, the token layout."""
 
     def __init__(self, encoder: VisionEncoder, preprocessor: ImagePreprocessor, use_im_start_end: bool,
-                 limits: VideoLimits | None, settings: LitaSettings):
-        super().__init__(encoder, preprocessor, use_im_start_end, limits)
+                 limits: VideoLimits | None, settings: LitaSettings, max_encoder_batch: int | None = None):
+        super().__init__(encoder, preprocessor, use_im_start_end, limits, max_encoder_batch)
         self.settings = settings
 
     @property
@@ -230,6 +230,8 @@ class LitaPerception(VideoPerception):
 class LitaModel(ImageModel):
     """Export/load half of LITA and VITA: Neva's encoder and files plus the LITA settings."""
 
+    perception = LitaPerception
+
     def save_perception(self, encoder: VisionEncoder, directory: Path, model_config: Any, *,
                         video_frame_sampling: str | None = None) -> dict:
         settings = lita_settings(model_config, video_frame_sampling or TRAINING)
@@ -239,8 +241,10 @@ class LitaModel(ImageModel):
         return {"features_per_item": features}
 
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
-                        media: MediaPolicy | None = None) -> LitaPerception:
-        image = super().load_perception(directory, device=device, dtype=dtype, media=media)
+                        media: MediaPolicy | None = None, encoder_batch: int | None = None) -> LitaPerception:
+        parts = self.load_encoder(directory, device=device, dtype=dtype, media=media)
         settings = LitaSettings(**read_config_section(directory, "lita"))
-        return LitaPerception(image.encoder, image.preprocessor, image.use_im_start_end, video_limits(media),
-                              settings)
+        return LitaPerception(*parts, video_limits(media), settings, encoder_batch)
+
+
+MODEL_TYPES = (LitaModel("lita"), LitaModel("vita"))

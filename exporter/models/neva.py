@@ -2,6 +2,7 @@
 
 VILA shares everything but its defaults (SigLIP tower, ``mlp_downsample``, ``resize`` aspect mode, several images per
 prompt), which come from the checkpoint's own config, so it is registered as the same class under another name.
+Requests carry images (any number, one ``<image>`` each).
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from wire.media import IMAGE
+
 from ..llm.tokenizer import Tokenizer
 from ..media_safety import MediaPolicy
+from ..perception.image_preprocess import ImagePreprocessor
 from ..perception.vision_encoder import VisionEncoder, build_vision_encoder
 from ..runtime.cuda_graphs import GraphedCall
 from .base import ModelType, MultimodalInputError, Perception, PromptLayout, media_list
@@ -25,51 +29,19 @@ IM_START_TOKEN = "<extra_id_4>"
 IM_END_TOKEN = "<extra_id_5>"
 
 
-class ImageModel(ModelType):
-    """Export/load half of an image-text model type."""
-
-    modality = "vision"
-    perception_dir = "visual_engine"
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                         vision_tower_path: str | None, audio_frontend: str | None = None) -> VisionEncoder:
-        return build_vision_encoder(model_config, state_dict, vision_tower_path, dtype=dtype)
-
-    def save_perception(self, encoder: VisionEncoder, directory: Path, model_config: Any, *,
-                        video_frame_sampling: str | None = None) -> dict:
-        directory.mkdir(parents=True, exist_ok=True)
-        mm_cfg = model_config.get("mm_cfg") or {}
-        config = {"model_type": self.name, "encoder": encoder.spec(),
-                  "use_im_start_end": bool(mm_cfg.get("use_im_start_end", False))}
-        (directory / "config.json").write_text(json.dumps(config, indent=2))
-        save_file(encoder.state_dict_for_engine(), str(directory / "model.safetensors"))
-        return {"features_per_item": encoder.tokens_per_image}
-
-    def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
-                        media: MediaPolicy | None = None) -> ImagePerception:
-        config = json.loads((directory / "config.json").read_text())
-        weights = load_file(str(directory / "model.safetensors"))
-        encoder = VisionEncoder.from_spec(config["encoder"], weights, dtype=dtype).to(device)
-        overrides = {} if media is None else {"max_image_pixels": media.max_image_pixels}
-        return ImagePerception(encoder, encoder.preprocessor(**overrides), config["use_im_start_end"])
-
-
 class ImagePerception(Perception):
     """Runtime: images → pixels → features; ``<image>`` placeholders → feature blocks."""
 
+    media = (IMAGE,)
     placeholder = IMAGE_PLACEHOLDER
-    placeholder_aliases: tuple[str, ...] = ()
-    media_name = "image"
+    encoder_batch = 16
 
-    def __init__(self, encoder: VisionEncoder, preprocessor, use_im_start_end: bool = False,
-                 max_encoder_batch: int = 16):
+    def __init__(self, encoder: VisionEncoder, preprocessor: ImagePreprocessor, use_im_start_end: bool = False,
+                 max_encoder_batch: int | None = None):
         self.encoder = encoder
         self.preprocessor = preprocessor
         self.use_im_start_end = use_im_start_end
-        self.max_encoder_batch = max_encoder_batch
+        self.max_encoder_batch = max_encoder_batch or self.encoder_batch
         self._graphed: GraphedCall | None = None
 
     @property
@@ -79,7 +51,7 @@ class ImagePerception(Perception):
     def media_items(self, media: Any) -> list[Any]:
         if isinstance(media, np.ndarray) and media.ndim == 4:  # NeMo's wire shape: [images, H, W, 3]
             media = list(media)
-        return media_list(media)
+        return self.checked_items(media_list(media))
 
     def load_media(self, media: Any) -> list[torch.Tensor]:
         return [self.preprocessor.preprocess_one(item) for item in self.media_items(media)]
@@ -130,3 +102,44 @@ class ImagePerception(Perception):
         if start is None or end is None:
             raise MultimodalInputError(f"use_im_start_end needs {IM_START_TOKEN} and {IM_END_TOKEN} in the tokenizer")
         return [[start], block, [end]]
+
+
+class ImageModel(ModelType):
+    """Export/load half of an image-text model type."""
+
+    perception = ImagePerception
+    perception_dir = "visual_engine"
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                         vision_tower_path: str | None, audio_frontend: str | None = None) -> VisionEncoder:
+        return build_vision_encoder(model_config, state_dict, vision_tower_path, dtype=dtype)
+
+    def save_perception(self, encoder: VisionEncoder, directory: Path, model_config: Any, *,
+                        video_frame_sampling: str | None = None) -> dict:
+        directory.mkdir(parents=True, exist_ok=True)
+        mm_cfg = model_config.get("mm_cfg") or {}
+        config = {"model_type": self.name, "encoder": encoder.spec(),
+                  "use_im_start_end": bool(mm_cfg.get("use_im_start_end", False))}
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
+        save_file(encoder.state_dict_for_engine(), str(directory / "model.safetensors"))
+        return {"features_per_item": encoder.tokens_per_image}
+
+    def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
+                        media: MediaPolicy | None = None, encoder_batch: int | None = None) -> ImagePerception:
+        return self.perception(*self.load_encoder(directory, device=device, dtype=dtype, media=media),
+                               max_encoder_batch=encoder_batch)
+
+    def load_encoder(self, directory: Path, *, device: str, dtype: torch.dtype | None,
+                     media: MediaPolicy | None) -> tuple[VisionEncoder, ImagePreprocessor, bool]:
+        """The vision encoder, its image preprocessing (capped by ``media``) and ``use_im_start_end``, as
+        ``save_perception`` wrote them."""
+        config = json.loads((directory / "config.json").read_text())
+        weights = load_file(str(directory / "model.safetensors"))
+        encoder = VisionEncoder.from_spec(config["encoder"], weights, dtype=dtype).to(device)
+        overrides = {} if media is None else {"max_image_pixels": media.max_image_pixels}
+        return encoder, encoder.preprocessor(**overrides), config["use_im_start_end"]
+
+MODEL_TYPES = (ImageModel("neva"), ImageModel("vila"))

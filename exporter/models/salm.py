@@ -20,6 +20,8 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from safetensors.torch import load_file, save_file
 
+from wire.media import AUDIO
+
 from ..llm.tokenizer import Tokenizer
 from ..media_safety import MediaPolicy
 from ..perception.audio import AudioPerception, export_audio_onnx
@@ -32,64 +34,18 @@ DEFAULT_QUESTION = "what's the transcription of the audio?"
 _SENTINEL = "\x00question\x00"
 
 
-class SalmModel(ModelType):
-    """Export/load half of SALM: NeMo's audio perception module as ``perception_engine/``."""
-
-    name = "salm"
-    modality = "audio"
-    perception_dir = "perception_engine"
-
-    def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
-                         vision_tower_path: str | None, audio_frontend: str | None = None) -> AudioPerception:
-        """The perception module in float32 (NeMo computes audio features in float32), weights loaded."""
-        section, weights = perception_section(model_config, state_dict)
-        if not any(name.startswith("encoder.") for name in weights):
-            raise ValueError("the checkpoint holds no perception.encoder weights: NeMo leaves a frozen audio encoder "
-                             "out of SALM checkpoints (freeze_audio_encoder) and reloads it from "
-                             "model.pretrained_audio_model; save a checkpoint that holds the encoder weights")
-        perception = AudioPerception.from_config(section, frontend=audio_frontend)
-        perception.load_state_dict(weights)
-        return perception.float().eval()
-
-    def save_perception(self, encoder: AudioPerception, directory: Path, model_config: Any, *,
-                        video_frame_sampling: str | None = None) -> dict:
-        directory.mkdir(parents=True, exist_ok=True)
-        section, _ = perception_section(model_config, {})
-        per_second = features_per_second(encoder)
-        config = {"model_type": self.name, "perception": {**_container(section), "frontend": encoder.frontend},
-                  "features_per_second": per_second}
-        (directory / "config.json").write_text(json.dumps(config, indent=2))
-        weights = {name: tensor.detach().contiguous() for name, tensor in encoder.state_dict().items()}
-        save_file(weights, str(directory / "model.safetensors"))
-        return {"features_per_item": per_second}
-
-    def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
-                        media: MediaPolicy | None = None) -> SalmPerception:
-        config = json.loads((directory / "config.json").read_text())
-        if "perception" not in config:
-            raise ValueError(f"{directory}/config.json has no 'perception' section; export the checkpoint again "
-                             "with model_type salm")
-        perception = AudioPerception.from_config(config["perception"])
-        perception.load_state_dict(load_file(str(directory / "model.safetensors")))
-        limits = None if media is None else AudioLimits(max_bytes=media.max_bytes,
-                                                        max_duration_s=media.max_audio_duration_s)
-        return SalmPerception(perception.float().eval().to(device), config["features_per_second"], limits)
-
-    def chat_template(self, model_config: Any) -> ChatTemplate:
-        return salm_template(model_config)
-
-    def export_onnx(self, encoder: AudioPerception, directory: Path) -> None:
-        export_audio_onnx(encoder, directory / "encoder.onnx")
-
-
 class SalmPerception(Perception):
     """Runtime: one clip (file, bytes or waveform) → mono waveform at the model's rate → features ``[n, H]``."""
 
+    media = (AUDIO,)
+    max_items = 1
+    encoder_batch = 8
+
     def __init__(self, perception: AudioPerception, features_per_second: int, limits: AudioLimits | None = None,
-                 max_encoder_batch: int = 8):
+                 max_encoder_batch: int | None = None):
         self.perception = perception
         self.limits = limits or AudioLimits()
-        self.max_encoder_batch = max_encoder_batch
+        self.max_encoder_batch = max_encoder_batch or self.encoder_batch
         self._features_per_second = features_per_second
 
     @property
@@ -98,10 +54,7 @@ class SalmPerception(Perception):
         return self._features_per_second
 
     def media_items(self, media: Any) -> list[Any]:
-        items = media_list(media)
-        if len(items) > 1:
-            raise MultimodalInputError(f"SALM takes one audio clip per request, got {len(items)}; send them apart")
-        return items
+        return self.checked_items(media_list(media))
 
     def load_media(self, media: Any) -> list[torch.Tensor]:
         rate = self.perception.sample_rate
@@ -135,6 +88,58 @@ class SalmPerception(Perception):
         add_bos = apply_chat_template and template.add_bos
         ids = tokenizer.encode(prompt, add_bos=add_bos) if (prompt or add_bos) else []
         return PromptLayout([features[0], ids] if ids else [features[0]])
+
+
+class SalmModel(ModelType):
+    """Export/load half of SALM: NeMo's audio perception module as ``perception_engine/``."""
+
+    name = "salm"
+    perception = SalmPerception
+    perception_dir = "perception_engine"
+
+    def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
+                         vision_tower_path: str | None, audio_frontend: str | None = None) -> AudioPerception:
+        """The perception module in float32 (NeMo computes audio features in float32), weights loaded."""
+        section, weights = perception_section(model_config, state_dict)
+        if not any(name.startswith("encoder.") for name in weights):
+            raise ValueError("the checkpoint holds no perception.encoder weights: NeMo leaves a frozen audio encoder "
+                             "out of SALM checkpoints (freeze_audio_encoder) and reloads it from "
+                             "model.pretrained_audio_model; save a checkpoint that holds the encoder weights")
+        perception = AudioPerception.from_config(section, frontend=audio_frontend)
+        perception.load_state_dict(weights)
+        return perception.float().eval()
+
+    def save_perception(self, encoder: AudioPerception, directory: Path, model_config: Any, *,
+                        video_frame_sampling: str | None = None) -> dict:
+        directory.mkdir(parents=True, exist_ok=True)
+        section, _ = perception_section(model_config, {})
+        per_second = features_per_second(encoder)
+        config = {"model_type": self.name, "perception": {**_container(section), "frontend": encoder.frontend},
+                  "features_per_second": per_second}
+        (directory / "config.json").write_text(json.dumps(config, indent=2))
+        weights = {name: tensor.detach().contiguous() for name, tensor in encoder.state_dict().items()}
+        save_file(weights, str(directory / "model.safetensors"))
+        return {"features_per_item": per_second}
+
+    def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
+                        media: MediaPolicy | None = None, encoder_batch: int | None = None) -> SalmPerception:
+        config = json.loads((directory / "config.json").read_text())
+        if "perception" not in config:
+            raise ValueError(f"{directory}/config.json has no 'perception' section; export the checkpoint again "
+                             "with model_type salm")
+        perception = AudioPerception.from_config(config["perception"])
+        perception.load_state_dict(load_file(str(directory / "model.safetensors")))
+        limits = None if media is None else AudioLimits(max_bytes=media.max_bytes,
+                                                        max_duration_s=media.max_audio_duration_s)
+        return SalmPerception(perception.float().eval().to(device), config["features_per_second"], limits,
+                              encoder_batch)
+
+    def chat_template(self, model_config: Any) -> ChatTemplate:
+        return salm_template(model_config)
+
+    def export_onnx(self, encoder: AudioPerception, directory: Path) -> None:
+        export_audio_onnx(encoder, directory / "encoder.onnx")
+
 
 
 def salm_prompt(text: str, template: ChatTemplate) -> str:
@@ -218,3 +223,6 @@ def _plain(model_config: Any) -> dict:
 def _is_value(value: Any) -> bool:
     """Set, and not an interpolation (a saved config's ``${model...}`` cannot resolve)."""
     return value is not None and value != "" and not (isinstance(value, str) and value.startswith("${"))
+
+
+MODEL_TYPES = (SalmModel(),)

@@ -22,11 +22,13 @@ from typing import Any
 
 import torch
 
+from wire.media import IMAGE, VIDEO
+
 from ..media_safety import MediaPolicy
 from ..perception.image_preprocess import ImagePreprocessor
 from ..perception.video import SPLICE_SINGLE_FRAME, VideoLimits, read_frames, video_neva_indices
 from ..perception.vision_encoder import VisionEncoder
-from .base import MultimodalInputError, media_list
+from .base import media_list
 from .neva import ImageModel, ImagePerception
 from .templates import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 
@@ -71,12 +73,13 @@ class VideoPerception(ImagePerception):
     per-frame pixels → per-frame features → the type's feature block, placed at ``<video>``. A frame sampled
     several times (a short video padded with its last frame) is preprocessed and encoded once."""
 
+    media = (VIDEO, IMAGE)  # an image is a one-frame video
     placeholder = VIDEO_PLACEHOLDER
     placeholder_aliases = (IMAGE_PLACEHOLDER,)
-    media_name = "video"
+    max_items = 1
 
     def __init__(self, encoder: VisionEncoder, preprocessor: ImagePreprocessor, use_im_start_end: bool = False,
-                 limits: VideoLimits | None = None, max_encoder_batch: int = 16):
+                 limits: VideoLimits | None = None, max_encoder_batch: int | None = None):
         super().__init__(encoder, preprocessor, use_im_start_end, max_encoder_batch)
         self.limits = limits or VideoLimits()
 
@@ -90,10 +93,7 @@ class VideoPerception(ImagePerception):
         frames; the i-th sampled frame is ``frames[order[i]]``."""
 
     def media_items(self, media: Any) -> list[Any]:
-        items = media_list(media)
-        if len(items) > 1:
-            raise MultimodalInputError(f"send one video per request, got {len(items)} media items")
-        return items
+        return self.checked_items(media_list(media))
 
     def load_media(self, media: Any) -> list[VideoPixels]:
         return [self._pixels(item) for item in self.media_items(media)]
@@ -117,8 +117,9 @@ class VideoNevaPerception(VideoPerception):
     """Video-NeVA runtime: ``num_frames`` frames (or one spliced frame), features frame-major."""
 
     def __init__(self, encoder: VisionEncoder, preprocessor: ImagePreprocessor, use_im_start_end: bool,
-                 limits: VideoLimits | None, *, num_frames: int, splice_single_frame: str | None = None):
-        super().__init__(encoder, preprocessor, use_im_start_end, limits)
+                 limits: VideoLimits | None, *, num_frames: int, splice_single_frame: str | None = None,
+                 max_encoder_batch: int | None = None):
+        super().__init__(encoder, preprocessor, use_im_start_end, limits, max_encoder_batch)
         self.num_frames = num_frames
         self.splice_single_frame = splice_single_frame
 
@@ -155,8 +156,7 @@ def video_neva_settings(model_config: Any) -> dict[str, Any]:
 class VideoNevaModel(ImageModel):
     """Export/load half of Video-NeVA: Neva's encoder and files plus the frame settings."""
 
-    def __init__(self, name: str = "video-neva"):
-        super().__init__(name)
+    perception = VideoNevaPerception
 
     def build_perception(self, model_config: Any, state_dict: dict[str, torch.Tensor], *, dtype: torch.dtype,
                          vision_tower_path: str | None, audio_frontend: str | None = None) -> VisionEncoder:
@@ -172,7 +172,10 @@ class VideoNevaModel(ImageModel):
         return {"features_per_item": frames * encoder.tokens_per_image}
 
     def load_perception(self, directory: Path, *, device: str, dtype: torch.dtype | None,
-                        media: MediaPolicy | None = None) -> VideoNevaPerception:
-        image = super().load_perception(directory, device=device, dtype=dtype, media=media)
-        return VideoNevaPerception(image.encoder, image.preprocessor, image.use_im_start_end, video_limits(media),
+                        media: MediaPolicy | None = None, encoder_batch: int | None = None) -> VideoNevaPerception:
+        parts = self.load_encoder(directory, device=device, dtype=dtype, media=media)
+        return VideoNevaPerception(*parts, video_limits(media), max_encoder_batch=encoder_batch,
                                    **read_config_section(directory, "video"))
+
+
+MODEL_TYPES = (VideoNevaModel("video-neva"),)

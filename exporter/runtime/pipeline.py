@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -64,7 +64,8 @@ class Pipeline:
     never fails the others. ``stream`` yields one request's text as it is generated. Media already encoded are
     taken from ``feature_cache``. ``kv_cache`` and ``max_num_tokens`` configure the scheduler's KV cache and
     chunked prefill (see :class:`Scheduler`); a prompt that starts like an earlier one (same token ids, same media
-    by content) reuses its cached blocks.
+    by content) reuses its cached blocks. Each function in ``submitted`` is called with every request's scheduler
+    handle as it is submitted (the server's metrics time requests by them).
     """
 
     def __init__(self, engine: Engine, feature_cache: FeatureCache | None = None,
@@ -84,6 +85,7 @@ class Pipeline:
             self.scheduler.warm_up()  # compile and capture before the first request, not during it
         self.scheduler.start()
         self._encoder_lock = threading.Lock()  # the encoder (and its CUDA graphs) serve one batch at a time
+        self.submitted: list[Callable[[Handle], None]] = []  # observers of each request's handle (server metrics)
 
     def close(self) -> None:
         """Stop the scheduler's thread."""
@@ -162,8 +164,11 @@ class Pipeline:
         return results  # type: ignore[return-value]
 
     def _submit(self, prepared: _Prepared, on_token=None) -> Handle:
-        return self.scheduler.submit(prepared.embeds, prepared.layout.token_ids(), prepared.params, on_token,
-                                     prepared.lora_uid, prefix=prepared.prefix)
+        handle = self.scheduler.submit(prepared.embeds, prepared.layout.token_ids(), prepared.params, on_token,
+                                       prepared.lora_uid, prefix=prepared.prefix)
+        for observe in self.submitted:
+            observe(handle)
+        return handle
 
     def _load_media(self, media: Any) -> list[_MediaItem]:
         """Each media item's cache key and cached block, and its encoder input unless every item was cached."""

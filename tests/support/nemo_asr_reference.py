@@ -1,6 +1,6 @@
-"""Runs INSIDE the NeMo reference venv (tests/nemo_reference_env.py): NeMo's own ASR modules on given inputs.
+"""Runs INSIDE the NeMo reference venv (tests/support/nemo_reference_env.py): NeMo's own ASR modules on given inputs.
 
-Usage: python nemo_asr_reference.py spec.json
+Usage: python -P nemo_asr_reference.py spec.json
 spec.json: {"cases": [{"perception": <SALM perception config>, "weights": "<torch state dict .pt, perception keys
 without the 'perception.' prefix>" | null, "inputs": "<.npz with signal [B, N] float32, lengths [B] int64>",
 "output": "<.npz to write>"}]}

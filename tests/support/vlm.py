@@ -1,37 +1,29 @@
-"""Tiny Neva/VILA checkpoints in NeMo's layout, and an independent reference answer built from transformers.
-
-The reference never calls this project's code: it preprocesses with transformers' image processors, runs
-transformers' CLIP/SigLIP tower and Llama, computes the projector with plain torch ops, and tokenizes the
-literal prompt text with SentencePiece.
-"""
+"""Tiny Neva/VILA checkpoints in NeMo's layout (transformers' Llama and CLIP/SigLIP towers with random weights),
+the prompts their templates render, and a tiny Neva exported for the CPU. Their reference answer is
+`support.neva_reference`."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-import sentencepiece
 import torch
 from omegaconf import OmegaConf
-from PIL import Image
 from transformers import (
-    CLIPImageProcessor,
     CLIPVisionConfig,
     CLIPVisionModel,
     LlamaConfig,
     LlamaForCausalLM,
-    SiglipImageProcessor,
     SiglipVisionConfig,
     SiglipVisionModel,
 )
 
-from conftest import train_sentencepiece
-from exporter.nemo_writer import hf_llama_to_nemo, write_nemo
+from exporter import TensorRTMMExporter
+from support.tokenizer_files import tokenizer_file
+from tools.nemo_writer import hf_llama_to_nemo, write_nemo
 
 HIDDEN, HEADS, GROUPS, FFN, LAYERS = 64, 4, 2, 128, 2
 TOWER_HIDDEN, IMAGE, PATCH = 32, 32, 8
-SPECIAL = tuple(f"<extra_id_{i}>" for i in range(10))
 PROJECTOR_PREFIX = "embedding.word_embeddings.adapter_layer.mm_projector_adapter.mm_projector"
 TOWER_PREFIX = "embedding.word_embeddings.vision_encoder."
 CHAT = ("A chat between a curious user and an artificial intelligence assistant. The assistant gives helpful, "
@@ -46,6 +38,17 @@ PROMPTS = {
               "<extra_id_2>" + LABELS + "\n", False),
     "llama_2": ("[INST] <<SYS>>\n" + VISION_SYSTEM + "\n<</SYS>>\n\n<image>\n{q} [/INST]", True),
     "mistral": ("[INST] <image>\n{q} [/INST]", True),
+}
+
+_LITA = {"use_lita": True, "lita": {"visual_token_format": "im_vid_start_end",
+                                    "lita_video_arch": "temporal_all_resolution", "sample_frames": 2}}
+# build_vlm's arguments for a tiny checkpoint of each video model type
+VIDEO_TYPES = {
+    "video-neva": dict(template="nvgpt", config_overrides={"data": {"media_type": "video", "num_frames": 3}}),
+    "lita": dict(template="v1", config_overrides={"mm_cfg": _LITA, "data": {"media_type": "video", "num_frames": 6}}),
+    "vita": dict(template="llama_3", tower_type="siglip", projector_type="mlp_downsample", aspect="pad",
+                 config_overrides={"mm_cfg": {**_LITA, "llm": {"model_type": "vita"}},
+                                   "data": {"media_type": "video", "num_frames": 6}}),
 }
 
 
@@ -65,16 +68,12 @@ class TinyVlm:
     export_kwargs: dict = field(default_factory=dict)
 
 
-def tokenizer_file(folder: Path) -> Path:
-    return train_sentencepiece(folder / "tokenizer.model", user_defined_symbols=SPECIAL)
-
-
 def build_vlm(folder: Path, sp_path: Path, *, tower_type="clip", projector_type="mlp2x_gelu", layout="legacy",
               tp_size=1, mcore=True, tower_at="checkpoint", template="v1", aspect="square", seed=0,
               config_overrides: dict | None = None, llm_family=None) -> TinyVlm:
     """Write a tiny Neva-style ``.nemo``; ``tower_at`` is checkpoint | from_pretrained | vision_tower_path;
     ``config_overrides`` are merged into model_config.yaml (e.g. the video types' ``data`` and ``mm_cfg.lita``);
-    ``llm_family`` (a ``llm_families.Family`` of hidden size 64, vocab 384) replaces the Llama."""
+    ``llm_family`` (a ``support.llm_families.Family`` of hidden size 64, vocab 384) replaces the Llama."""
     folder.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     vocab = 384  # the 300-piece SentencePiece vocab padded to a multiple of 128, as NeMo pads it
@@ -148,80 +147,10 @@ def _projector(projector_type: str, seed: int) -> dict[str, torch.Tensor]:
             ".4.weight": rand(HIDDEN, HIDDEN), ".4.bias": rand(HIDDEN)}
 
 
-# --- the independent reference ----------------------------------------------------------------------------------
-
-
-def reference_features(vlm: TinyVlm, image: Image.Image) -> torch.Tensor:
-    """Features ``[N, HIDDEN]`` of one image, by transformers' processor and tower and hand-written projectors."""
-    image = image.convert("RGB")
-    if vlm.tower_type == "clip":
-        processor = CLIPImageProcessor(size={"shortest_edge": IMAGE}, crop_size={"height": IMAGE, "width": IMAGE})
-    else:
-        processor = SiglipImageProcessor(size={"height": IMAGE, "width": IMAGE})
-    if vlm.aspect == "pad":
-        image = _pad_to_square(image, processor.image_mean)
-    elif vlm.aspect == "resize":  # VILA: a plain resize to the crop size first
-        image = image.resize((IMAGE, IMAGE), Image.Resampling.BICUBIC)
-    pixels = processor(images=image, return_tensors="pt")["pixel_values"]
-    with torch.no_grad():
-        hidden = vlm.tower(pixel_values=pixels, output_hidden_states=True).hidden_states[-2][0]
-    if vlm.tower_type == "clip":
-        hidden = hidden[1:]  # vision_select_feature "patch": the class token is dropped
-    return _project(vlm, hidden)
-
-
-def _pad_to_square(image: Image.Image, mean) -> Image.Image:
-    width, height = image.size
-    side = max(width, height)
-    square = Image.new("RGB", (side, side), tuple(int(255 * m) for m in mean))
-    square.paste(image, ((side - width) // 2, (side - height) // 2))
-    return square
-
-
-def _project(vlm: TinyVlm, x: torch.Tensor) -> torch.Tensor:
-    p = vlm.projector
-    gelu = torch.nn.functional.gelu
-    if vlm.projector_type == "linear":
-        return x @ p[".weight"].T + p[".bias"]
-    if vlm.projector_type == "mlp2x_gelu":
-        return gelu(x @ p[".0.weight"].T + p[".0.bias"]) @ p[".2.weight"].T + p[".2.bias"]
-    side = int(round(x.shape[0] ** 0.5))
-    grid = x.reshape(side, side, -1)
-    if side % 2:
-        grid = torch.nn.functional.pad(grid, (0, 0, 0, 1, 0, 1))
-        side += 1
-    # 2x2 merge as NeMo's DownSampleBlock: pairs along the second axis, swap the axes, pairs again.
-    merged = grid.reshape(side, side // 2, -1).transpose(0, 1).reshape(side // 2, side // 2, -1).reshape(-1, 4 * x.shape[1])
-    normed = torch.nn.functional.layer_norm(merged, (merged.shape[1],), p[".1.weight"], p[".1.bias"])
-    return gelu(normed @ p[".2.weight"].T + p[".2.bias"]) @ p[".4.weight"].T + p[".4.bias"]
-
-
-def reference_tokens(vlm: TinyVlm, question: str, images: Image.Image | list[Image.Image], steps: int,
-                     prompt: tuple[str, bool] | None = None) -> list[int]:
-    """Greedy ids of the reference: literal prompt (the template's, or ``prompt`` = (text, BOS)), the pieces
-    around each ``<image>`` tokenized apart, each image's features spliced there as embeddings."""
-    sp = sentencepiece.SentencePieceProcessor(model_file=str(vlm.sp_path))
-    text, add_bos = prompt or PROMPTS[vlm.template]
-    images = images if isinstance(images, list) else [images]
-    pieces = text.format(q=question).split("<image>")
-    assert len(pieces) == len(images) + 1
-    embed = vlm.llm.get_input_embeddings()
-    with torch.no_grad():
-        parts = [embed(torch.tensor(([sp.bos_id()] if add_bos else []) + sp.encode(pieces[0]), dtype=torch.long))]
-        for image, piece in zip(images, pieces[1:]):
-            parts += [reference_features(vlm, image), embed(torch.tensor(sp.encode(piece), dtype=torch.long))]
-        sequence = torch.cat(parts)
-        generated: list[int] = []
-        for _ in range(steps):
-            token = int(vlm.llm(inputs_embeds=sequence[None]).logits[0, -1].argmax())
-            if token == sp.eos_id():
-                break
-            generated.append(token)
-            sequence = torch.cat([sequence, embed(torch.tensor([token]))])
-    return generated
-
-
-def random_image(seed: int, size=(56, 40)) -> Image.Image:
-    """A non-square random RGB picture (so resizing, cropping and padding matter)."""
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))
+def tiny_neva(folder: Path, max_output_len: int, max_batch_size: int = 2) -> TensorRTMMExporter:
+    """A tiny random Neva (16 features per image, prompts up to 200 tokens) exported in-process for the CPU."""
+    vlm = build_vlm(folder / "ckpt", tokenizer_file(folder))
+    exporter = TensorRTMMExporter(folder / "engine", device="cpu")
+    exporter.export(vlm.nemo, model_type="neva", dtype="float32", max_batch_size=max_batch_size, max_input_len=200,
+                    max_output_len=max_output_len, max_multimodal_len=max_batch_size * 16)
+    return exporter

@@ -1,4 +1,4 @@
-"""NeMo LoRA adapters for the tiny Neva of `vlm_fixtures`, written as NeMo's PEFT fine-tuning writes them, and the
+"""NeMo LoRA adapters for the tiny Neva of `support.vlm`, written as NeMo's PEFT fine-tuning writes them, and the
 reference: transformers' Llama with an adapter merged by hand into its own (unfused) q/k/v/o/gate/up/down weights.
 
 The files are built here with torch.save and YAML, not with the project's writer: `model_weights.ckpt` under
@@ -19,7 +19,7 @@ import torch
 import yaml
 from transformers import LlamaForCausalLM
 
-from vlm_fixtures import FFN, GROUPS, HEADS, HIDDEN, LAYERS, TinyVlm
+from support.vlm import FFN, GROUPS, HEADS, HIDDEN, LAYERS, TinyVlm
 
 HEAD_DIM = HIDDEN // HEADS
 QKV_ROWS = (HEADS + 2 * GROUPS) * HEAD_DIM

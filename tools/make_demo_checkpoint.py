@@ -14,7 +14,7 @@ the identity). Training has two phases: a short vision warm-up (standing in for 
 three parts jointly. The tower is stored in the checkpoint (``vision_encoder.freeze: False``); its
 ``from_pretrained`` names no real folder.
 
-Run from the repository root (about 2 minutes on 2 CPU cores): ``python scripts/make_demo_checkpoint.py``.
+Run from the repository root (about 2 minutes on 2 CPU cores): ``python -m tools.make_demo_checkpoint``.
 Deterministic for a given --seed; fails unless held-out greedy accuracy is at least 98% on both questions.
 """
 
@@ -35,7 +35,7 @@ from torch import nn
 from transformers import CLIPVisionConfig, CLIPVisionModel, LlamaConfig, LlamaForCausalLM
 
 from exporter.models.templates import IMAGE_PLACEHOLDER, get_template
-from exporter.nemo_writer import hf_llama_to_nemo, write_nemo
+from tools.nemo_writer import hf_llama_to_nemo, write_nemo
 
 IMAGE_SIZE, PATCH = 64, 8
 NUM_PATCHES = (IMAGE_SIZE // PATCH) ** 2

@@ -80,11 +80,12 @@ def nemo_python(version: str) -> Path:
 
 
 def run_reference(version: str, cases: list[dict], workdir: Path, timeout_s: int = 600) -> None:
-    """Runs tests/nemo_asr_reference.py on `cases` (see its docstring) with NeMo `version`."""
+    """Runs tests/support/nemo_asr_reference.py on `cases` (see its docstring) with NeMo `version` (`-P`: the
+    script's folder, whose module names could shadow packages, is not on its path)."""
     python = nemo_python(version)
     spec = workdir / f"nemo-{version}-spec.json"
     spec.write_text(json.dumps({"cases": cases}))
-    done = subprocess.run([str(python), str(REFERENCE_SCRIPT), str(spec)], capture_output=True, text=True,
+    done = subprocess.run([str(python), "-P", str(REFERENCE_SCRIPT), str(spec)], capture_output=True, text=True,
                           timeout=timeout_s, env={**os.environ, "PYTHONWARNINGS": "ignore"})
     if done.returncode:
         raise RuntimeError(f"NeMo {version} reference failed:\n{done.stderr[-4000:]}")

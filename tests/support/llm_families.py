@@ -29,7 +29,7 @@ from transformers import (
     Starcoder2ForCausalLM,
 )
 
-from exporter.nemo_writer import fuse_qkv, hf_llama_to_nemo
+from tools.nemo_writer import hf_llama_to_nemo
 
 HIDDEN, HEADS, LAYERS, FFN, EXPERTS, MAX_POSITIONS = 64, 4, 2, 96, 4, 512
 TOKENS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}

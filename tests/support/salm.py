@@ -23,9 +23,10 @@ import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from exporter.nemo_writer import fuse_qkv, hf_llama_to_nemo, write_nemo
 from exporter.perception.audio import AudioPerception
-from vlm_fixtures import FFN, GROUPS, HEADS, HIDDEN, LAYERS, tokenizer_file
+from support.tokenizer_files import tokenizer_file
+from support.vlm import FFN, GROUPS, HEADS, HIDDEN, LAYERS
+from tools.nemo_writer import fuse_qkv, hf_llama_to_nemo, write_nemo
 
 RATE = 16000
 N_MELS = 32
@@ -89,7 +90,7 @@ class TinySalm:
 
 
 def build_salm(folder: Path, seed: int = 0, llm_family=None) -> TinySalm:
-    """Write a tiny SALM `.nemo` (NeMo-1 layout, float32) into `folder`; `llm_family` (a `llm_families.Family`
+    """Write a tiny SALM `.nemo` (NeMo-1 layout, float32) into `folder`; `llm_family` (a `support.llm_families.Family`
     of hidden size 64, vocab 384) replaces the Llama and its LoRA."""
     folder.mkdir(parents=True, exist_ok=True)
     sp_path = tokenizer_file(folder)

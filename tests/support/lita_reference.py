@@ -2,7 +2,7 @@
 
 - Frames: ``TarOrFolderVideoLoader.flatten_frames`` (``neva_dataset.py``): ``linspace(0, len-1, min(len, num_frames),
   dtype=int)``, then the last frame repeated until there are ``data.num_frames``. Files are decoded here with PyAV.
-- Per-frame features: ``vlm_fixtures.reference_features`` (transformers' processor and tower, projector by hand).
+- Per-frame features: ``support.neva_reference.reference_features`` (transformers' processor and tower, projector by hand).
 - ``add_lita_layer`` (``LitaWordEmbeddingMixin``) over all ``num_frames`` frames, the 2×2 pooling as window means.
 - The placeholder span as ``preprocess_multimodal`` writes it (``<extra_id_3>`` patches between start/end tokens),
   embedded, then overwritten as ``replace_media_embeddings`` does, including its final position check.
@@ -19,7 +19,8 @@ import sentencepiece
 import torch
 from PIL import Image
 
-from vlm_fixtures import TinyVlm, reference_features
+from support.neva_reference import reference_features
+from support.vlm import TinyVlm
 
 PATCH, IM_START, IM_END, VID_START, VID_END = (f"<extra_id_{i}>" for i in (3, 4, 5, 8, 9))
 

@@ -1,4 +1,4 @@
-"""What the Neva end-to-end tests add to ``vlm_fixtures``: a vision tower published in a local Hugging Face hub
+"""What the Neva end-to-end tests add to ``support.vlm``: a vision tower published in a local Hugging Face hub
 cache under a hub name, as a full CLIPModel with its own image processor (NeMo's ``from_pretrained`` case)."""
 
 from __future__ import annotations
