@@ -7,7 +7,7 @@ serving). Step time: the median over ``--steps`` decode steps after the warm-up,
 back. TP=1 runs in this process on GPU 0; TP=N in N processes (rank r on GPU r, NCCL).
 
     python bench/tp_bench.py                     # 2 GPUs: prints the table, writes $OUT/tp_bench.json
-    python bench/tp_bench.py --tiny --device cpu # a tiny shape over 2 gloo processes: checks that the script runs
+    python bench/tp_bench.py --tiny              # a tiny float32 shape over 2 gloo processes: checks that it runs
 """
 
 from __future__ import annotations
@@ -98,12 +98,14 @@ def _rank(rank: int, size: int, port: int, args: argparse.Namespace, out: Path) 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", type=int, default=2, help="the TP size compared with TP=1")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", help="default: cuda (cpu with --tiny)")
+    parser.add_argument("--dtype", help="default: bfloat16 (float32 with --tiny)")
     parser.add_argument("--prompt", type=int, default=608, help="prompt positions (LLaVA-1.5: image + 32 tokens)")
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--tiny", action="store_true", help="a tiny shape (checks that the script runs)")
     args = parser.parse_args()
+    args.device = args.device or ("cpu" if args.tiny else "cuda")
+    args.dtype = args.dtype or ("float32" if args.tiny else "bfloat16")
     disable_multicast()
     shape = TINY if args.tiny else LLAVA_13B
     with torch.inference_mode():

@@ -284,9 +284,8 @@ def test_tp_bench_runs_tiny(tmp_path):
     """bench/tp_bench.py at its tiny shape over two gloo processes: the table, and TP=2's tokens equal TP=1's."""
     env = {**os.environ, "OUT": str(tmp_path),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(REPO / "bench/tp_bench.py"), "--tiny", "--device", "cpu", "--dtype",
-                           "float32", "--prompt", "40", "--steps", "8"], env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = subprocess.run([sys.executable, str(REPO / "bench/tp_bench.py"), "--tiny", "--prompt", "40", "--steps",
+                           "8"], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "TP=2" in done.stdout and "16/16 equal" in done.stdout, done.stdout
     result = json.loads((tmp_path / "tp_bench.json").read_text())
