@@ -54,10 +54,13 @@ class Ranks:
         disable_multicast()
         port = _free_port()
         self._stopping = False
+        # the children import this very package, wherever it was imported from
+        source = str(Path(__file__).resolve().parents[2])
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
         self.children = [
             subprocess.Popen([sys.executable, "-m", __name__, str(model_dir), "--rank", str(rank), "--size",
                               str(size), "--port", str(port), "--device", rank_device(device, rank), "--dtype",
-                              dtype], stdin=subprocess.PIPE, env=dict(os.environ))
+                              dtype], stdin=subprocess.PIPE, env=env)
             for rank in range(1, size)
         ]
         threading.Thread(target=self._watch, name="tensor-parallel-watch", daemon=True).start()
