@@ -1,0 +1,31 @@
+"""The GPU benchmarks run end to end on the CPU at their tiny shapes (timings mean nothing there), so a change to
+the code they drive cannot leave them broken until the next GPU run. lora_bench, coldstart_bench and serve_bench
+have their own tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize(("script", "arguments", "json_name", "table_line"), [
+    ("llava_bench.py", [], "llava_bench.json", "decode"),
+    ("mixed_decode.py", [], "mixed_decode.json", "ms/step"),
+    ("moe_bench.py", [], "moe_bench.json", "roofline"),
+    ("quant_bench.py", ["--methods", "int8_wo", "int4_awq"], "quant_bench.json", "int4_awq"),
+    ("paged_bench.py", [], "paged_bench.json", "concurrent requests"),
+])
+def test_bench_runs_at_its_tiny_shape(tmp_path, script, arguments, json_name, table_line):
+    done = subprocess.run([sys.executable, str(REPO / "bench" / script), "--tiny", *arguments],
+                          env={**os.environ, "OUT": str(tmp_path)}, capture_output=True, text=True, timeout=900,
+                          check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert json.loads((tmp_path / json_name).read_text())
+    assert table_line in done.stdout
