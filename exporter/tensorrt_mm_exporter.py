@@ -29,6 +29,7 @@ from wire import (
 )
 
 from .engine import Engine, EngineLimits, LoraOptions, export_engine, load_engine, read_manifest
+from .engine.directory import tensor_parallel_size as engine_tensor_parallel_size
 from .engine.kernel_cache import KernelCache
 from .engine.progress import phase
 from .llm.generate import SamplingParams
@@ -38,6 +39,7 @@ from .media_safety import MediaPolicy
 from .models import get_model_type
 from .runtime import Completion, Pipeline, Request
 from .runtime.kv_cache import KVCacheOptions
+from .runtime.tensor_parallel import Ranks
 
 BACKENDS = ("torch",)
 
@@ -85,6 +87,7 @@ class TensorRTMMExporter(ITritonDeployable):
         self.max_num_tokens = max_num_tokens
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
+        self.ranks: Ranks | None = None
         if load_model and (self.model_dir / "manifest.json").is_file():
             self._load()
 
@@ -141,6 +144,9 @@ class TensorRTMMExporter(ITritonDeployable):
         (any value) serves LoRA without adapters at export (added at load or with ``load_lora``); the adapters run
         in the model dtype. ``max_loras``: adapters served at once (default: one slot per adapter). ``merge_lora``:
         merge the one adapter into the weights instead (NeMo's forward: scale alpha/dim; see docs/fidelity.md).
+
+        ``tensor_parallel_size`` N > 1 splits the LLM over N ranks (N GPUs, or N CPU processes): the engine holds
+        one weights file per rank, and loading it starts ranks 1..N-1 beside this process (docs/serving.md).
         """
         kind = get_model_type(model_type)
         if kind.modality != self.modality:
@@ -150,8 +156,8 @@ class TensorRTMMExporter(ITritonDeployable):
             )
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported by the PyTorch engine; use 1")
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         adapters = read_adapters(lora_checkpoint_path)
         lora = merged = None
         if merge_lora:
@@ -170,7 +176,7 @@ class TensorRTMMExporter(ITritonDeployable):
                       export_onnx=export_onnx, rename_keys=tuple(nemo_rename_key), audio_frontend=audio_frontend,
                       video_frame_sampling=video_frame_sampling,
                       quantization=quantization, calib_data=calib_data, device=self.device, lora=lora,
-                      merged_lora=merged)
+                      merged_lora=merged, tensor_parallel_size=tensor_parallel_size)
         if load_model:
             self._load()
 
@@ -179,19 +185,37 @@ class TensorRTMMExporter(ITritonDeployable):
         if manifest["modality"] != self.modality:
             raise InvalidModalityError(f"the engine in {self.model_dir} is for modality {manifest['modality']!r}, "
                                        f"not {self.modality!r}")
-        if self.pipeline is not None:
-            self.pipeline.close()
+        self.close()
         kernels = KernelCache.for_device(self.model_dir, self.device) if self.device.startswith("cuda") else None
         if kernels is not None:
             kernels.use_compile_dirs()  # before anything compiles
+        size = engine_tensor_parallel_size(manifest)
+        if size > 1 and self.kv_cache.dtype == "fp8":
+            raise ValueError("kv_cache_dtype fp8 is not served with tensor_parallel_size > 1; use kv_cache_dtype auto")
         with phase("load the engine"):
-            self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy,
-                                      verify=self.verify_engine, lora=self.lora)
+            if size > 1:  # the other ranks load their parts meanwhile
+                self.ranks = Ranks(self.model_dir, size, self.device, manifest["dtype"])
+            try:
+                self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy,
+                                          verify=self.verify_engine, lora=self.lora)
+            except BaseException:
+                self.close()
+                raise
+            self.engine.decoder.tp = None if self.ranks is None else self.ranks.tp
         with phase("warm-up: compile, choose kernels, capture graphs") as note:
             restored = kernels.restore() if kernels is not None else None
             self.pipeline = Pipeline(self.engine, kv_cache=self.kv_cache, max_num_tokens=self.max_num_tokens)
             if restored is not None:
                 note["detail"] = f"{restored.describe()}; {'saved' if kernels.save() else 'not saved'}"
+
+    def close(self) -> None:
+        """Stop serving: the scheduler, and a tensor-parallel engine's other ranks."""
+        if self.pipeline is not None:
+            self.pipeline.close()
+            self.pipeline = None
+        if self.ranks is not None:
+            self.ranks.stop()
+            self.ranks = None
 
     def forward(
         self,

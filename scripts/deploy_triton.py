@@ -63,7 +63,9 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
         None,
         "exported model directory (<tempdir>/trt_model_dir/)",
     ),
-    ("-ng", "--num_gpus", int, None, 1, "number of GPUs (tensor parallel size)"),
+    ("-ng", "--num_gpus", int, None, 1,
+     "tensor parallel size of an export: GPUs (with --device cpu, CPU processes) the LLM is split over; an exported "
+     "engine serves at its own size"),
     ("-dt", "--dtype", str, ("bfloat16", "float16", "float32"), "bfloat16", "dtype of the exported model"),
     ("-mil", "--max_input_len", int, None, 4096, "max input length in tokens"),
     ("-mol", "--max_output_len", int, None, 256, "max output length in tokens"),

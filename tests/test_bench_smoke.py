@@ -1,6 +1,6 @@
 """The GPU benchmarks run end to end on the CPU at their tiny shapes (timings mean nothing there), so a change to
-the code they drive cannot leave them broken until the next GPU run. lora_bench, coldstart_bench and serve_bench
-have their own tests."""
+the code they drive cannot leave them broken until the next GPU run. lora_bench, coldstart_bench, serve_bench
+and tp_bench have their own tests."""
 
 from __future__ import annotations
 

@@ -35,11 +35,12 @@ class LegacyReader:
     """
 
     def __init__(self, archive: Archive, layout: str, renamed: Callable[[str], str],
-                 activation: Callable[[], str | None]):
+                 activation: Callable[[], str | None], select: Callable[[str], bool] | None = None):
         self._archive, self._layout, self._renamed, self._activation = archive, layout, renamed, activation
+        self._select = select
 
     def load(self) -> dict[str, torch.Tensor]:
-        """Every tensor in canonical names: TP shards merged, PP stages renumbered."""
+        """Every (selected) tensor in canonical names: TP shards merged, PP stages renumbered."""
         weights: dict[str, torch.Tensor] = {}
         first_layer = 0
         for _, files in sorted(self._shard_files().items()):
@@ -55,6 +56,23 @@ class LegacyReader:
                 weights[name] = tensor
             first_layer += len({m[1] for m in map(LAYER_KEY.match, targets) if m})
         return weights
+
+    def tp_size(self) -> int:
+        """The TP ranks the weights are split over (1 when they are not split)."""
+        return len(next(iter(self._shard_files().values())))
+
+    def load_rank(self, rank: int) -> dict[str, torch.Tensor]:
+        """The (selected) tensors of TP rank `rank`'s file as it stores them (Megatron's per-rank slices; a
+        gated fc1 `[gate_r; up_r]`), in canonical names; TP-only layouts (no PP stages)."""
+        stages = self._shard_files()
+        if len(stages) != 1:
+            raise NemoCheckpointError(f"{self._archive.path}: per-rank reading needs one PP stage, it has "
+                                      f"{len(stages)}")
+        name = stages[0][rank]
+        stored = self._stored_tensors(name)
+        targets, jobs = _plan_tp_merge([stored], gated=False)
+        self._fill_from_file(name, jobs[0])
+        return targets
 
     def _load_weights_dict(self, name: str, map_location: str = "cpu") -> dict:
         saved = torch_load(self._archive, name, map_location)
@@ -86,7 +104,8 @@ class LegacyReader:
         out = {}
         for key, value in self._load_weights_dict(name, map_location="meta").items():
             canonical = canonical_name(self._renamed(key))
-            if canonical is not None and isinstance(value, torch.Tensor):
+            if canonical is not None and isinstance(value, torch.Tensor) and (
+                    self._select is None or self._select(canonical.replace(FC1_UP, "mlp.linear_fc1."))):
                 out[canonical] = (key, value)
         return out
 

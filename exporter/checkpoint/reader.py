@@ -85,16 +85,35 @@ class NemoCheckpoint:
             self.config.get("tokenizer"), read_artifact=self.artifact, tokenizer_path=tokenizer_path
         )
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
+    def state_dict(self, select: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
         """All weights in canonical names: TP shards merged, PP stages renumbered, dist layers unstacked, each
-        MoE layer's experts stacked."""
+        MoE layer's experts stacked. `select(name)`: read only the tensors it accepts (legacy layouts; the dist
+        ones read all, then drop the others)."""
         if self.layout in ("torch_dist", "nemo2"):
             folder = "model_weights/" if self.layout == "torch_dist" else "weights/"
             weights = DistReader(self._archive, folder).load(self._renamed)
+            weights = {k: v for k, v in weights.items() if select is None or select(k)}
         else:
-            weights = LegacyReader(
-                self._archive, self.layout, self._renamed, lambda: self.config.get("activation")
-            ).load()
+            weights = self._legacy_reader(select).load()
+        return self._finish(weights)
+
+    @property
+    def tp_size(self) -> int:
+        """The TP ranks whose own files hold the weights (`tp_shards` layout), else 1."""
+        return self._legacy_reader().tp_size() if self.layout == "tp_shards" else 1
+
+    def rank_state_dict(self, rank: int, select: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+        """The weights of TP rank `rank`'s file (`tp_shards` layout) as Megatron split them, not merged, in
+        canonical names (`select`: as in `state_dict`)."""
+        if self.layout != "tp_shards":
+            raise NemoCheckpointError(f"{self.path}: per-rank weights need the tp_shards layout, not {self.layout}")
+        return self._finish(self._legacy_reader(select).load_rank(rank))
+
+    def _legacy_reader(self, select: Callable[[str], bool] | None = None) -> LegacyReader:
+        return LegacyReader(self._archive, self.layout, self._renamed, lambda: self.config.get("activation"),
+                            select)
+
+    def _finish(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for name in [k for k in weights if FC1_UP in k]:  # legacy non-fast GLU: fc1 = [gate; up]
             fc1 = name.replace(FC1_UP, "mlp.linear_fc1.")
             weights[fc1] = torch.cat([weights[fc1], weights.pop(name)])

@@ -4,13 +4,15 @@ Layout (docs/engine_format.md)::
 
     model_dir/manifest.json           format version, model type, modality, dtype, limits, source, package version
     model_dir/visual_engine/          (or perception_engine/) config.json + model.safetensors [+ encoder.onnx]
-    model_dir/llm_engine/             config.json, model.safetensors, tokenizer files, template.json
+    model_dir/llm_engine/             config.json, model.safetensors (tensor parallel: model.rank<r>.safetensors,
+                                      one per rank), tokenizer files, template.json
     model_dir/llm_engine/lora/<uid>/  LoRA adapters served per request (adapter.safetensors, adapter.json)
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import threading
 from collections.abc import Callable, Iterator
@@ -27,6 +29,7 @@ from ..llm.config import DecoderConfig
 from ..llm.lora_layers import LoraBank, check_lora_adapter
 from ..llm.model import Decoder, select_llm_weights
 from ..llm.quant.convert import ExportQuantization
+from ..llm.tensor_parallel import EMBEDDING, Shard, adopt_nemo_shard, check_tensor_parallel, split_weights
 from ..llm.tokenizer import Tokenizer, load_saved_tokenizer
 from ..lora import (
     LORA_DIR,
@@ -54,6 +57,11 @@ FORMAT_VERSION = 2
 LLM_DIR = "llm_engine"
 LLM_WEIGHTS = f"{LLM_DIR}/model.safetensors"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def llm_weights_file(shard: Shard) -> str:
+    """The engine file (relative to the engine directory) of a rank's LLM weights."""
+    return LLM_WEIGHTS if shard.size == 1 else f"{LLM_DIR}/model.rank{shard.rank}.safetensors"
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -88,7 +96,7 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
                   audio_frontend: str | None = None, video_frame_sampling: str | None = None,
                   quantization: str | None = None, calib_data: str | Path | None = None,
                   device: str = "cpu", lora: LoraPlan | None = None,
-                  merged_lora: LoraAdapter | None = None) -> dict[str, Any]:
+                  merged_lora: LoraAdapter | None = None, tensor_parallel_size: int = 1) -> dict[str, Any]:
     """Write a new engine into the empty folder `model_dir`; return its manifest.
 
     ``quantization`` (``int8_wo``, ``int4_wo``, ``int4_awq``, ``fp8``) stores the LLM layers' weights quantized,
@@ -96,8 +104,13 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
     the LoRA adapters served per request (stored in the engine); ``merged_lora``: one adapter merged into the
     weights instead (its checkpoint's other fine-tuned tensors, a projector say, replace the base's).
     Once the checkpoint is read, its sha256 is taken on a thread of its own (from the page cache, mostly) while the
-    perception and the LLM weights are written."""
+    perception and the LLM weights are written. ``tensor_parallel_size``: the LLM is written as that many rank
+    files (`exporter.llm.tensor_parallel`); a checkpoint sharded at that size (mp_rank_XX/ files, the LLM inside
+    it) is read rank by rank, never merged; any other is merged, then split one tensor at a time."""
     kind = get_model_type(model_type)
+    if tensor_parallel_size > 1 and (quantization is not None or lora is not None):
+        raise EngineError("tensor_parallel_size > 1 serves neither quantized weights nor LoRA adapters; export "
+                          "with tensor_parallel_size 1 for them")
     quantizer = None if quantization is None and calib_data is None else \
         ExportQuantization.from_options(quantization, calib_data, device)
     target = torch_dtype(dtype)
@@ -107,7 +120,11 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
     with phase("read the checkpoint"):
         checkpoint = NemoCheckpoint(visual_checkpoint_path, rename_keys=rename_keys)
         config = checkpoint.config
-        weights = checkpoint.state_dict()
+        per_rank = tensor_parallel_size > 1 and llm_checkpoint_path is None and merged_lora is None and \
+            checkpoint.tp_size == tensor_parallel_size
+        # read per rank: the rest now (the embedding merged: rank 0 holds it whole), the LLM's slices rank by rank
+        weights = checkpoint.state_dict(select=(lambda name: name == EMBEDDING or not _is_llm(name))
+                                        if per_rank else None)
     with _hashing_sources(visual_checkpoint_path, llm_checkpoint_path) as source:
         if merged_lora is not None:
             merge_extra(weights, merged_lora)
@@ -120,7 +137,9 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
                                      audio_frontend=audio_frontend, video_frame_sampling=video_frame_sampling,
                                      export_onnx=export_onnx)
             llm_checkpoint = checkpoint
-            if llm_checkpoint_path is None:
+            if per_rank:
+                llm_weights = _NemoRanks(checkpoint, weights[EMBEDDING])
+            elif llm_checkpoint_path is None:
                 llm_weights = select_llm_weights(weights)
             else:
                 with phase("read the LLM checkpoint"):
@@ -139,9 +158,10 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
                     check_lora_adapter(shapes, lora.modules, lora.max_rank, adapter.uid, adapter.rank,
                                        adapter.weights)
             tokenizer = llm_checkpoint.tokenizer(tokenizer_path=tokenizer_path)
-            llm_config, llm_sha256 = _write_llm(
+            llm_config, llm_hashes = _write_llm(
                 model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target,
-                None if quantizer is None else lambda config, w: quantizer.apply(config, w, tokenizer))
+                None if quantizer is None else lambda config, w: quantizer.apply(config, w, tokenizer),
+                tensor_parallel_size)
             if lora is not None:
                 save_adapters(model_dir / LLM_DIR / LORA_DIR, lora.adapters, target)
             tokenizer_description = tokenizer.save(model_dir / LLM_DIR)
@@ -154,13 +174,14 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
             described_source = source.result()
 
     with phase("hash the other engine files"):
-        files = describe_files(model_dir, known={LLM_WEIGHTS: llm_sha256})
+        files = describe_files(model_dir, known=llm_hashes)
     manifest = {
         "format_version": FORMAT_VERSION,
         "model_type": model_type,
         "modality": kind.modality,
         "llm_model_type": llm_model_type,
         "dtype": dtype,
+        "tensor_parallel_size": tensor_parallel_size,
         "quantization": llm_config.to_dict()["quantization"],
         "lora": None if lora is None else lora.to_manifest(),
         "lora_merged": None if merged_lora is None else {"uid": merged_lora.uid, **merged_lora.describe()},
@@ -188,14 +209,41 @@ def _write_perception(kind, folder: Path, config: Any, weights: dict[str, torch.
     return facts
 
 
+class _NemoRanks(dict):
+    """The LLM of a checkpoint sharded at the served TP size: the whole embedding now, each rank's file's slices
+    when asked (`ranks`)."""
+
+    def __init__(self, checkpoint: NemoCheckpoint, embedding: torch.Tensor):
+        super().__init__({EMBEDDING: embedding})
+        self.checkpoint = checkpoint
+
+    def ranks(self, config: DecoderConfig, size: int) -> Iterator[tuple[Shard, Iterator[tuple[str, torch.Tensor]]]]:
+        for rank in range(size):
+            shard = Shard(rank, size)
+            yield shard, adopt_nemo_shard(self.checkpoint.rank_state_dict(rank, select=_is_llm), self[EMBEDDING],
+                                          config, shard)
+
+
+def _is_llm(name: str) -> bool:
+    return bool(select_llm_weights({name: None}))
+
+
 def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-               quantize: Callable[[DecoderConfig, dict[str, torch.Tensor]], DecoderConfig] | None = None
-               ) -> tuple[DecoderConfig, str]:
+               quantize: Callable[[DecoderConfig, dict[str, torch.Tensor]], DecoderConfig] | None = None,
+               tensor_parallel_size: int = 1) -> tuple[DecoderConfig, dict[str, str]]:
     """Write the decoder weights (cast to `dtype` as each is written, consuming `weights`: never two copies;
-    quantized first if asked) and the config; return the config and the weights file's sha256."""
+    quantized first if asked; one file per rank when tensor parallel) and the config; return the config and each
+    weights file's sha256."""
     directory.mkdir(parents=True, exist_ok=True)
-    vocab_size = int(weights["embedding.word_embeddings.weight"].shape[0])
+    vocab_size = int(weights[EMBEDDING].shape[0])
     decoder_config = DecoderConfig.from_nemo(model_config, vocab_size=vocab_size)
+    if tensor_parallel_size > 1:
+        try:
+            check_tensor_parallel(decoder_config, tensor_parallel_size)
+        except ValueError as error:
+            raise EngineError(str(error)) from None
+        (directory / "config.json").write_text(json.dumps(decoder_config.to_dict(), indent=2))
+        return decoder_config, _write_ranks(directory, decoder_config, weights, dtype, tensor_parallel_size)
     if quantize is not None:
         for name in list(weights):
             weights[name] = weights.pop(name).to(dtype).contiguous()
@@ -207,7 +255,24 @@ def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tens
     with phase("write the LLM weights") as note, byte_progress("writing the LLM weights", total) as progress:
         sha256 = write_tensors(directory / "model.safetensors", weights, None if quantize else dtype, progress)
         note["detail"] = f"{total / 1e9:.2f} GB"
-    return decoder_config, sha256
+    return decoder_config, {LLM_WEIGHTS: sha256}
+
+
+def _write_ranks(directory: Path, config: DecoderConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype,
+                 size: int) -> dict[str, str]:
+    """Each rank's weights file: slices of the whole weights, or of a same-size checkpoint's rank files."""
+    ranks = weights.ranks(config, size) if isinstance(weights, _NemoRanks) else \
+        ((shard, split_weights(weights, config, shard)) for shard in map(functools.partial(Shard, size=size),
+                                                                          range(size)))
+    hashes = {}
+    with phase("write the LLM weights") as note:
+        for shard, tensors in ranks:
+            part = dict(tensors)  # views of the whole tensors where they can be (written one at a time)
+            Decoder.from_state_dict(config, {k: v.to("meta") for k, v in part.items()}, shard=shard)  # names/shapes
+            name = llm_weights_file(shard)
+            hashes[name] = write_tensors(directory.parent / name, part, dtype)
+        note["detail"] = f"{size} ranks"
+    return hashes
 
 
 @contextlib.contextmanager
@@ -278,25 +343,28 @@ def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = 
 
     File sizes are always checked; sha256 hashes when ``verify`` (None: when the files were not verified in their
     current state before, see `exporter.engine.integrity`). A bad file is an EngineError naming it. The engine's
-    LoRA adapters, and those of ``lora``, are served from a ``LoraBank`` on the decoder.
+    LoRA adapters, and those of ``lora``, are served from a ``LoraBank`` on the decoder. A tensor-parallel engine
+    loads rank 0's part here (`exporter.runtime.tensor_parallel` starts the other ranks, `load_llm_shard`).
     """
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
+    shard = Shard(0, tensor_parallel_size(manifest))
+    weights_file = llm_weights_file(shard)
     with phase("check the engine files") as note:
-        hash_check = check_files(model_dir, manifest, verify, streamed=[LLM_WEIGHTS])
+        hash_check = check_files(model_dir, manifest, verify, streamed=[weights_file])
         note["detail"] = "sizes and headers" + ("; hashing the files as they are read" if hash_check else "")
     kind = get_model_type(manifest["model_type"])
     target = torch_dtype(dtype or manifest["dtype"])
     llm_dir = model_dir / LLM_DIR
-    decoder_config = DecoderConfig.from_dict(json.loads((llm_dir / "config.json").read_text()))
     limits = EngineLimits(**manifest["limits"])
     with ThreadPoolExecutor(1, thread_name_prefix="perception-load") as pool:
         rest = pool.submit(_load_rest, kind, model_dir, device, target, media,  # while the LLM weights stream in
                            limits.vision_max_batch_size)
-        digest = hash_check.digests[LLM_WEIGHTS] if hash_check else None
-        weights = load_llm_weights(model_dir, device, digest)
-        decoder = Decoder.from_state_dict(decoder_config, weights, dtype=target, device=device)
-        del weights
+        decoder = load_llm_shard(model_dir, shard, device, target, hash_check.digests[weights_file] if hash_check
+                                 else None)
+        if shard.size > 1 and (manifest.get("lora") is not None or (lora is not None and lora.asked)):
+            raise EngineError("LoRA adapters are not served with tensor_parallel_size > 1; export the model with "
+                              "tensor_parallel_size 1 to serve them")
         _serve_lora(decoder, manifest.get("lora"), llm_dir / LORA_DIR, lora or LoraOptions())
         tokenizer, template, perception = rest.result()
     if hash_check is not None:
@@ -305,17 +373,31 @@ def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = 
     return Engine(manifest, limits, decoder, tokenizer, template, perception)
 
 
-def load_llm_weights(model_dir: Path, device: str | torch.device, digest=None) -> dict[str, torch.Tensor]:
-    """The LLM weights of an engine on `device` (`exporter.engine.loading`), logged as the read + transfer phase;
-    `digest` is fed the file's bytes."""
-    path = model_dir / LLM_WEIGHTS
+def tensor_parallel_size(manifest: dict[str, Any]) -> int:
+    """The ranks an engine's LLM is split over (1 for engines written before tensor parallelism)."""
+    return int(manifest.get("tensor_parallel_size", 1))
+
+
+def load_llm_shard(model_dir: Path, shard: Shard, device: str | torch.device, dtype: torch.dtype,
+                   digest=None) -> Decoder:
+    """A rank's decoder (`shard`) of an engine on `device` in `dtype`; `digest` is fed its file's bytes."""
+    config = DecoderConfig.from_dict(json.loads((model_dir / LLM_DIR / "config.json").read_text()))
+    weights = load_llm_weights(model_dir, device, digest, llm_weights_file(shard))
+    return Decoder.from_state_dict(config, weights, dtype=dtype, device=device, shard=shard)
+
+
+def load_llm_weights(model_dir: Path, device: str | torch.device, digest=None,
+                     name: str = LLM_WEIGHTS) -> dict[str, torch.Tensor]:
+    """The LLM weights of an engine (file `name`) on `device` (`exporter.engine.loading`), logged as the read +
+    transfer phase; `digest` is fed the file's bytes."""
+    path = model_dir / name
     stats = LoadStats()
     with phase("LLM weights: read + transfer") as note, \
             byte_progress("loading the LLM weights", path.stat().st_size) as progress:
         try:
             weights = load_tensors(path, device, digest, progress, stats)
         except ValueError as error:
-            raise EngineError(f"engine file {LLM_WEIGHTS} is not a readable safetensors file ({error}); "
+            raise EngineError(f"engine file {name} is not a readable safetensors file ({error}); "
                               f"{AGAIN}") from None
         note["detail"] = f"{stats.describe()} to {device}" + \
             (f"; reading busy {stats.read_seconds:.2f} s over its threads" if stats.read_seconds else "")

@@ -22,6 +22,7 @@ from .gemv import linear
 from .moe import expert_mlp, route
 from .paged_attention import FP8_DTYPE, FP8_MAX, PagedBatch, PagedKVCache, paged_attention
 from .quant.linear import QuantLinear
+from .tensor_parallel import Shard, TensorParallel
 
 if TYPE_CHECKING:
     from .lora_layers import LoraBank, LoraSlots
@@ -293,14 +294,22 @@ class _Attention:
     kv_len: int | None
     mask: Tensor | None
     paged: PagedBatch | None = None
+    reduce: Callable[[Tensor], Tensor] | None = None  # the sum of the ranks' partial outputs (tensor parallel)
+
+    def summed(self, partial: Tensor) -> Tensor:
+        """A row-parallel layer's output: this rank's partial sum, summed over the ranks."""
+        return partial if self.reduce is None else self.reduce(partial)
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, config: DecoderConfig, layer_number: int):
+    """Attention over this rank's heads and query groups (all of them without tensor parallelism); the output is
+    this rank's partial sum of `linear_proj`."""
+
+    def __init__(self, config: DecoderConfig, layer_number: int, shard: Shard):
         super().__init__()
         self.layer_number = layer_number
-        self.heads = config.num_attention_heads
-        self.groups = config.num_query_groups
+        self.heads = shard.part(config.num_attention_heads)
+        self.groups = shard.part(config.num_query_groups)
         self.head_dim = config.head_dim
         self.rotary_dim = config.rotary_dim
         self.window = config.attention_window
@@ -341,12 +350,14 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    """The dense MLP over this rank's channels; the output is this rank's partial sum of `linear_fc2`."""
+
+    def __init__(self, config: DecoderConfig, shard: Shard):
         super().__init__()
         self.activation = (config.activation, config.gated, config.gelu_approximation)
-        fc1_rows = 2 * config.ffn_hidden_size if config.gated else config.ffn_hidden_size
-        self.linear_fc1 = _layer_linear(config, config.hidden_size, fc1_rows)
-        self.linear_fc2 = _layer_linear(config, config.ffn_hidden_size, config.hidden_size)
+        ffn = shard.part(config.ffn_hidden_size)
+        self.linear_fc1 = _layer_linear(config, config.hidden_size, 2 * ffn if config.gated else ffn)
+        self.linear_fc2 = _layer_linear(config, ffn, config.hidden_size)
 
     def forward(self, x: Tensor, adapters: Tensor | None = None) -> Tensor:
         h = _project(self.linear_fc1, x, adapters)
@@ -408,38 +419,43 @@ class TransformerLayer(nn.Module):
     """Pre-norm layer: attention, then the MLP (or a mixture of experts); with `parallel_attention_mlp` both read
     the layer input (Falcon), through one shared norm when `shared_input_norm`."""
 
-    def __init__(self, config: DecoderConfig, layer_number: int):
+    def __init__(self, config: DecoderConfig, layer_number: int, shard: Shard):
         super().__init__()
         self.parallel = config.parallel_attention_mlp
         self.input_layernorm = Norm(config)
-        self.self_attention = SelfAttention(config, layer_number)
+        self.self_attention = SelfAttention(config, layer_number, shard)
         self.pre_mlp_layernorm = None if config.shared_input_norm else Norm(config)
-        self.mlp = MoELayer(config) if config.num_moe_experts else MLP(config)
+        self.mlp = MoELayer(config) if config.num_moe_experts else MLP(config, shard)
 
     def forward(self, x: Tensor, delta: Tensor | None, attention: _Attention,
                 adapters: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Add the previous layer's output `delta` to the residual stream `x`; return the stream and this layer's
-        output (each residual add is fused into the norm that follows it). `adapters`: each row's LoRA slot."""
+        output (each residual add is fused into the norm that follows it). `adapters`: each row's LoRA slot.
+        Under tensor parallelism each output is summed over the ranks (one all-reduce after attention, one after the
+        MLP; one for both in a parallel block)."""
         x, h = self.input_layernorm(x, delta)
         if not self.parallel:
-            x, h = self.pre_mlp_layernorm(x, self.self_attention(h, attention, adapters))
-            return x, self.mlp(h, adapters)
+            x, h = self.pre_mlp_layernorm(x, attention.summed(self.self_attention(h, attention, adapters)))
+            return x, attention.summed(self.mlp(h, adapters))
         mlp_input = h if self.pre_mlp_layernorm is None else self.pre_mlp_layernorm(x)[1]
-        return x, self.self_attention(h, attention, adapters) + self.mlp(mlp_input, adapters)
+        return x, attention.summed(self.self_attention(h, attention, adapters) + self.mlp(mlp_input, adapters))
 
 
 class Embedding(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    """Word embeddings (on rank 0 only under tensor parallelism) and learned position embeddings."""
+
+    def __init__(self, config: DecoderConfig, shard: Shard):
         super().__init__()
-        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        if shard.leader:
+            self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         if config.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, shard: Shard):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(TransformerLayer(config, i, shard) for i in range(config.num_layers))
         self.final_layernorm = Norm(config)
 
 
@@ -448,18 +464,22 @@ class Decoder(nn.Module):
 
     `forward` takes input embeddings so callers can splice multimodal features in place of token embeddings.
     `lora` is the bank of LoRA adapters it serves, if any (`exporter.llm.lora_layers.LoraBank` sets it).
+    `shard` is the slice of the model it holds (`exporter.llm.tensor_parallel`); a part of a larger group runs
+    only once `tp`, its rank's collectives, is set.
     """
 
     lora: LoraBank | None = None
+    tp: TensorParallel | None = None
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, shard: Shard | None = None):
         super().__init__()
         self.config = config
-        self.embedding = Embedding(config)
-        self.decoder = TransformerBlock(config)
+        self.shard = shard = shard or Shard()
+        self.embedding = Embedding(config, shard)
+        self.decoder = TransformerBlock(config, shard)
         self.rope = Rope(config) if config.position_embedding_type == "rope" else None
-        if not config.share_embeddings_and_output_weights:
-            self.output_layer = Linear(config.hidden_size, config.vocab_size, bias=False)
+        if not config.share_embeddings_and_output_weights or shard.size > 1:
+            self.output_layer = Linear(config.hidden_size, shard.vocab_part(config.vocab_size), bias=False)
 
     @classmethod
     def from_state_dict(
@@ -468,11 +488,12 @@ class Decoder(nn.Module):
         state_dict: Mapping[str, Tensor],
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        shard: Shard | None = None,
     ) -> Decoder:
         """Build on the meta device and take the given tensors as parameters (cast/moved only if asked; quantized
-        weights keep their stored dtype, their scales take `dtype`)."""
+        weights keep their stored dtype, their scales take `dtype`); `shard`: the tensors are that rank's part."""
         with torch.device("meta"):
-            model = cls(config)
+            model = cls(config, shard)
         shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
         expected, given = set(shapes), set(state_dict)
         if expected != given:
@@ -491,27 +512,33 @@ class Decoder(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.embedding.word_embeddings.weight.device
+        return self.decoder.final_layernorm.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.embedding.word_embeddings.weight.dtype
+        return self.decoder.final_layernorm.weight.dtype
+
+    @property
+    def kv_heads(self) -> int:
+        """The key/value heads (query groups) this rank holds and caches."""
+        return self.shard.part(self.config.num_query_groups)
 
     def embed(self, ids: Tensor) -> Tensor:
-        """Token ids `[...]` -> word embeddings `[..., H]` (position embeddings are added in `forward`)."""
+        """Token ids `[...]` -> word embeddings `[..., H]` (position embeddings are added in `forward`); rank 0
+        only under tensor parallelism."""
         return self.embedding.word_embeddings(ids)
 
     def new_kv_cache(self, batch_size: int, max_seq_len: int) -> KVCache:
         """A zeroed cache for `batch_size` rows of `max_seq_len` positions (model dtype and device)."""
         c = self.config
-        shape = (c.num_layers, 2, batch_size, max_seq_len, c.num_query_groups, c.head_dim)
+        shape = (c.num_layers, 2, batch_size, max_seq_len, self.kv_heads, c.head_dim)
         return KVCache(torch.zeros(shape, dtype=self.dtype, device=self.device))
 
     def new_paged_kv_cache(self, num_blocks: int, block_size: int, scales: Tensor | None = None) -> PagedKVCache:
         """A zeroed block pool (block 0 the null block) in the model dtype, or in float8 e4m3 with `scales
         [layers, 2, kv_heads]` (`exporter.llm.paged_attention`)."""
         c = self.config
-        shape = (c.num_layers, 2, num_blocks, block_size, c.num_query_groups, c.head_dim)
+        shape = (c.num_layers, 2, num_blocks, block_size, self.kv_heads, c.head_dim)
         dtype = self.dtype if scales is None else FP8_DTYPE
         data = torch.zeros(shape, dtype=dtype, device=self.device)
         return PagedKVCache(data, None if scales is None else scales.to(device=self.device, dtype=torch.float32))
@@ -540,10 +567,15 @@ class Decoder(nn.Module):
         output_index: `[B]` index along T per row; if given, only those positions' logits come back `[B,1,V]`;
             with a `PagedBatch`, `[K]` indices of the tokens (rows) whose logits come back `[K,1,V]`.
         adapters: `[B]` each row's LoRA slot in `self.lora` (0: no adapter); None: no LoRA.
-        Returns logits `[B,T,V]` in the model dtype.
+        Returns logits `[B,T,V]` in the model dtype. Under tensor parallelism every rank of the group makes the
+        same call (`exporter.runtime.cuda_graphs.ForwardStep` sees to it) and every rank gets the whole logits.
         """
+        if self.shard.size > 1 and self.tp is None:
+            raise RuntimeError("this decoder is one rank's part of a tensor-parallel model; it runs only in its "
+                               "group (set `tp`)")
         batch, length, _ = inputs_embeds.shape
         attention = self._attention(positions, kv_cache, kv_len, batch, length, inputs_embeds.device)
+        attention.reduce = None if self.tp is None else self.tp.reduce
         x = inputs_embeds.to(self.dtype)
         if self.config.position_embedding_type == "learned_absolute":
             x = x + self.embedding.position_embeddings(
@@ -559,6 +591,8 @@ class Decoder(nn.Module):
             x = x.index_select(0, output_index)
         elif output_index is not None:
             x = x.gather(1, output_index.view(batch, 1, 1).expand(batch, 1, x.shape[-1]))
+        if self.shard.size > 1:
+            return self.tp.gather_vocab(linear(x, self.output_layer.weight), self.config.vocab_size)
         head = (
             self.embedding.word_embeddings.weight
             if self.config.share_embeddings_and_output_weights

@@ -9,6 +9,7 @@ and positions compute on filler (writing to the KV cache's null block) and are d
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -166,19 +167,28 @@ class ForwardStep:
     products. On CUDA a step is a graph captured per (row bucket, chunk bucket, full or argmax-only choice, LoRA or
     not) with the block tables, the chooser's state and the chunk's buffers as its inputs; a chunk of more than
     ``MAX_PIECES`` pieces or ``max_chunk`` tokens, and every step elsewhere, runs eagerly.
+
+    Tensor parallel (the model's ``tp`` set): rank 0's step tells the other ranks' twins (``follower``) what it
+    does (a message, then ``_share_inputs``: the chooser's state, the tables and the chunk's metadata), and every
+    rank runs the same step, the collectives inside its graph; rank 0 embeds (the embeddings are broadcast inside
+    the step) and chooses the tokens. Copies between KV-cache blocks go through ``copy_blocks`` for the same reason.
     """
 
+    _ids = itertools.count()
+
     def __init__(self, model: Decoder, cache: PagedKVCache, tables: Tensor, chooser: TokenChooser, *,
-                 max_chunk: int, use_cuda_graphs: bool | None = None):
+                 max_chunk: int, use_cuda_graphs: bool | None = None, step_id: int | None = None):
         self.model = model
         self.cache = cache
         self.tables = tables
         self.chooser = chooser
+        self.tp = model.tp
+        self.id = next(self._ids) if step_id is None else step_id
         device = model.device
         self.enabled = device.type == "cuda" if use_cuda_graphs is None else use_cuda_graphs and device.type == "cuda"
         self.buckets = bucket_sizes(tables.shape[0])
         self.chunk_buckets = chunk_bucket_sizes(max_chunk)
-        self.splits = {rows: decode_splits(rows, model.config.num_query_groups, device) for rows in self.buckets}
+        self.splits = {rows: decode_splits(rows, model.kv_heads, device) for rows in self.buckets}
         self.graphs: dict[tuple[int, int, bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.adapters = None if model.lora is None else torch.zeros(tables.shape[0], dtype=torch.long, device=device)
         if self.enabled:
@@ -188,6 +198,45 @@ class ForwardStep:
             self.longs = torch.zeros(_LONG_FIELDS * longest + MAX_PIECES, dtype=torch.long, device=device)
             self.ints = torch.zeros(4 * _tile_capacity(longest) + MAX_PIECES * tables.shape[1],
                                     dtype=torch.int32, device=device)
+        if self.tp is not None and self.tp.leader:
+            self.tp.send(("new", self.id, dict(blocks=cache.num_blocks, block_size=cache.block_size,
+                                               rows=tables.shape[0], width=tables.shape[1], max_chunk=max_chunk,
+                                               beams=chooser.max_beam_width, graphs=self.enabled)))
+
+    @classmethod
+    def follower(cls, model: Decoder, step_id: int, facts: dict) -> ForwardStep:
+        """A tensor-parallel rank's twin of rank 0's step ``step_id`` (its ``"new"`` message's ``facts``), over
+        this rank's own KV-cache blocks."""
+        device = model.device
+        cache = model.new_paged_kv_cache(facts["blocks"], facts["block_size"])
+        tables = torch.zeros(facts["rows"], facts["width"], dtype=torch.int32, device=device)
+        chooser = TokenChooser(facts["rows"], model.config.vocab_size, device, facts["beams"])
+        return cls(model, cache, tables, chooser, max_chunk=facts["max_chunk"], use_cuda_graphs=facts["graphs"],
+                   step_id=step_id)
+
+    def follow(self, message: tuple) -> None:
+        """Do what rank 0's step told (a tensor-parallel rank other than 0)."""
+        kind, _, *facts = message
+        if kind == "copy":
+            targets, sources = (torch.empty(facts[0], dtype=torch.long, device=self.model.device) for _ in "ts")
+            self.tp.share(targets, sources)
+            self.cache.copy_blocks_(targets, sources)
+        elif kind == "capture":
+            self._capture(*facts[0])
+        elif kind == "launch":
+            self._follow_launch(**facts[0])
+
+    def close(self) -> None:
+        """Tensor parallel: the other ranks drop their twins of this step (their cache and graphs)."""
+        if self.tp is not None and self.tp.leader:
+            self.tp.send(("close", self.id))
+
+    def copy_blocks(self, targets: Tensor, sources: Tensor) -> None:
+        """KV-cache block ``targets[i]`` gets the contents of block ``sources[i]`` (on every rank)."""
+        if self.tp is not None:
+            self.tp.send(("copy", self.id, len(targets)))
+            self.tp.share(targets.contiguous(), sources.contiguous())
+        self.cache.copy_blocks_(targets, sources)
 
     def set_adapters(self, first: int, slots: Sequence[int]) -> None:
         """Rows ``[first, first + len(slots))`` decode with these LoRA slots (the model has a LoRA bank)."""
@@ -207,28 +256,69 @@ class ForwardStep:
         """
         if tokens is not None:
             self.chooser.place(tokens, positions)
-        if beam_rows is not None:
-            self._copy_beam_blocks(beam_rows, beams_from, furthest)
         tokens_in_chunk = sum(len(piece.embeds) for piece in pieces)
         full = full and rows > 0
         lora = lora and self.adapters is not None
         if not self.enabled or len(pieces) > MAX_PIECES or tokens_in_chunk > self.chunk_buckets[-1]:
             chunk = self._chunk(pieces, tokens_in_chunk) if pieces else None
-            logits = self._compute(rows, chunk, full, furthest, lora)
-            decoded = rows
+            key, decoded = None, rows
+            layout = None if chunk is None else ("eager", tokens_in_chunk, len(pieces), _tile_count(pieces),
+                                                 chunk.chunk.sequences)
         else:
             decoded = next(b for b in self.buckets if b >= rows) if rows else 0
             padded = next(c for c in self.chunk_buckets if c >= tokens_in_chunk) if pieces else 0
             if pieces:
                 self._fill(pieces, padded)
-            key = (decoded, padded, full, lora)
-            if key not in self.graphs:
-                self._capture(*key)
-            graph, logits = self.graphs[key]
-            graph.replay()
+            chunk, key, layout = None, (decoded, padded, full, lora), ("static", padded) if pieces else None
+        if self.tp is None:
+            logits = self._run(rows, furthest, chunk, key, full, lora, beam_rows, beams_from)
+        else:
+            self.tp.send(("launch", self.id, dict(rows=rows, furthest=furthest, full=full, lora=lora, key=key,
+                                                  layout=layout, beams_from=beams_from,
+                                                  beam_rows=None if beam_rows is None else len(beam_rows))))
+            with self.tp.in_step():
+                self._share_inputs(beam_rows, layout, chunk)
+                logits = self._run(rows, furthest, chunk, key, full, lora, beam_rows, beams_from)
         launched = (LaunchedStep.read_back(self.chooser, 0, logits[:rows], full and beam_rows is not None)
                     if rows else None)
         return launched, logits[decoded: decoded + len(pieces)] if pieces else None
+
+    def _run(self, rows: int, furthest: int, chunk: _ChunkInputs | None, key: tuple | None, full: bool, lora: bool,
+             beam_rows: Tensor | None, beams_from: int) -> Tensor:
+        """The step's beam copies, then its forward: eager (``key`` None) or the graph of ``key``."""
+        if beam_rows is not None:
+            self._copy_beam_blocks(beam_rows, beams_from, furthest)
+        if key is None:
+            return self._compute(rows, chunk, full, furthest, lora)
+        if key not in self.graphs:
+            self._capture(*key)
+        graph, logits = self.graphs[key]
+        graph.replay()
+        return logits
+
+    def _share_inputs(self, beam_rows: Tensor | None, layout: tuple | None, chunk: _ChunkInputs | None) -> None:
+        """Rank 0's step inputs into every rank's: the chooser's state, the tables, the beam rows, and the chunk's
+        metadata (an eager chunk's own buffers, or the static buffers' part that ``layout``'s bucket uses)."""
+        self.tp.share(self.chooser.ints, self.tables)
+        if beam_rows is not None:
+            self.tp.share(beam_rows)
+        if layout is not None:
+            self.tp.share(*(chunk.buffers if chunk is not None else self._static_buffers(layout[1])))
+
+    def _follow_launch(self, rows: int, furthest: int, full: bool, lora: bool, key: tuple | None,
+                       layout: tuple | None, beams_from: int, beam_rows: int | None) -> None:
+        device = self.model.device
+        beams = None if beam_rows is None else torch.empty(beam_rows, dtype=torch.long, device=device)
+        chunk = None
+        if layout is not None and layout[0] == "eager":
+            _, tokens, sequences, tiles, described = layout
+            width = self.tables.shape[1]
+            chunk = _views(torch.zeros(_LONG_FIELDS * tokens + sequences, dtype=torch.long, device=device),
+                           torch.zeros(4 * tiles + sequences * width, dtype=torch.int32, device=device),
+                           torch.empty(tokens, self.model.config.hidden_size, dtype=self.model.dtype, device=device),
+                           tokens, sequences, tiles, width, tuple(map(tuple, described)))
+        self._share_inputs(beams, layout, chunk)
+        self._run(rows, furthest, chunk, key, full, lora, beams, beams_from)
 
     def capture_all(self) -> None:
         """Capture every (row bucket, chunk bucket, choice, LoRA) graph now, so no request waits for one later
@@ -238,6 +328,8 @@ class ForwardStep:
                 for full in ((False, True) if rows else (False,)):
                     for lora in (False, True) if self.adapters is not None else (False,):
                         if (rows or padded) and (rows, padded, full, lora) not in self.graphs:
+                            if self.tp is not None:
+                                self.tp.send(("capture", self.id, (rows, padded, full, lora)))
                             self._capture(rows, padded, full, lora)
 
     @property
@@ -263,11 +355,12 @@ class ForwardStep:
 
     def _compute(self, rows: int, chunk: _ChunkInputs | None, full: bool, span: int, lora: bool = False) -> Tensor:
         """Logits of the decode rows ``[rows, V]`` then of each piece's last position, the rows' tokens chosen.
-        The batch's tokens go through the model one per row (``[N, 1, H]``), so each has its own LoRA slot."""
+        The batch's tokens go through the model one per row (``[N, 1, H]``), so each has its own LoRA slot.
+        Tensor parallel: rank 0's embeddings are broadcast, and only rank 0 chooses tokens."""
         state = self.chooser.ints
         embeds, positions, adapters = [], [], []
         if rows:
-            embeds.append(self.model.embed(state[TOKEN, :rows]))
+            embeds.append(state[TOKEN, :rows])
             positions.append(state[POSITION, :rows])
             adapters.append(self.adapters[:rows] if lora else None)
         output_index = None
@@ -278,11 +371,26 @@ class ForwardStep:
             output_index = torch.cat([torch.arange(rows, device=chunk.outputs.device), rows + chunk.outputs])
         batch = PagedBatch(self.cache, rows, self.tables, state[POSITION, :rows], span,
                            self.splits.get(rows, 1), None if chunk is None else chunk.chunk)
-        logits = self.model(torch.cat(embeds)[:, None], torch.cat(positions)[:, None], batch,
+        logits = self.model(self._embeddings(embeds)[:, None], torch.cat(positions)[:, None], batch,
                             output_index=output_index, adapters=torch.cat(adapters) if lora else None)[:, 0]
-        if rows:
+        if rows and (self.tp is None or self.tp.leader):
             self.chooser.choose(logits[:rows], 0, full)
         return logits
+
+    def _embeddings(self, parts: list[Tensor]) -> Tensor:
+        """The step's input embeddings ``[N, H]``: the decode rows' tokens (the first part, ids, when there are
+        rows) embedded, then the chunk's; tensor parallel: rank 0's, broadcast to the others."""
+        leader = self.tp is None or self.tp.leader
+        if parts[0].dtype == torch.long:
+            parts[0] = self.model.embed(parts[0]) if leader else parts[0]
+        if leader:
+            embeds = torch.cat(parts)
+        else:
+            embeds = torch.empty(sum(len(part) for part in parts), self.model.config.hidden_size,
+                                 dtype=self.model.dtype, device=self.model.device)
+        if self.tp is not None:
+            self.tp.share(embeds)
+        return embeds
 
     def _chunk(self, pieces: Sequence[Piece], tokens: int) -> _ChunkInputs:
         """The chunk's inputs on the device at exactly its size (eager steps)."""
@@ -305,6 +413,11 @@ class ForwardStep:
             self.embeds[start: start + len(piece.embeds)].copy_(piece.embeds, non_blocking=True)
             start += len(piece.embeds)
 
+    def _static_buffers(self, padded: int) -> tuple[Tensor, Tensor]:
+        """The parts of the static metadata buffers that chunk bucket ``padded`` lays out."""
+        return (self.longs[: _LONG_FIELDS * padded + MAX_PIECES],
+                self.ints[: 4 * _tile_capacity(padded) + MAX_PIECES * self.tables.shape[1]])
+
     def _static_chunk(self, padded: int) -> _ChunkInputs:
         """Views of the static buffers as chunk bucket ``padded`` lays them out (what its graph reads)."""
         return _views(self.longs, self.ints, self.embeds[:padded], padded, MAX_PIECES, _tile_capacity(padded),
@@ -321,6 +434,7 @@ class _ChunkInputs:
     positions: Tensor
     adapters: Tensor
     outputs: Tensor
+    buffers: tuple[Tensor, Tensor]  # the int64 and int32 metadata buffers the views above read
 
 
 _LONG_FIELDS = 4  # per-token int64 fields of a chunk's metadata: positions, blocks, offsets, LoRA slots
@@ -333,7 +447,7 @@ def _views(longs: Tensor, ints: Tensor, embeds: Tensor, tokens: int, sequences: 
     chunk = Chunk(tables=ints[4 * tiles: 4 * tiles + sequences * width].view(sequences, width), blocks=blocks,
                   offsets=offsets, tiles=ints[: 4 * tiles].view(tiles, 4), sequences=described)
     end = _LONG_FIELDS * tokens
-    return _ChunkInputs(chunk, embeds, positions, adapters, longs[end: end + sequences])
+    return _ChunkInputs(chunk, embeds, positions, adapters, longs[end: end + sequences], (longs, ints))
 
 
 def _tile_count(pieces: Sequence[Piece]) -> int:
@@ -394,4 +508,5 @@ def activation_bytes(model: Decoder, rows: int, chunk_tokens: int, max_beam_widt
     torch.cuda.reset_peak_memory_stats(device)
     step.launch(rows, 1, [piece], full=True)
     torch.cuda.synchronize(device)
+    step.close()
     return torch.cuda.max_memory_allocated(device) - base

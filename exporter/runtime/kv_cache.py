@@ -71,7 +71,7 @@ def allocate_cache(model: Decoder, options: KVCacheOptions, *, rows: int, blocks
         scales = None
     c = model.config
     element = 1 if scales is not None else model.dtype.itemsize
-    block_bytes = 2 * c.num_layers * options.block_size * c.num_query_groups * c.head_dim * element
+    block_bytes = 2 * c.num_layers * options.block_size * model.kv_heads * c.head_dim * element
     blocks = pool_size(options, block_bytes=block_bytes, rows=rows, blocks_per_row=blocks_per_row,
                        device=model.device, reserve_bytes=reserve_bytes)
     return model.new_paged_kv_cache(blocks, options.block_size, scales)

@@ -489,8 +489,8 @@ class Scheduler:
         self.reused_positions += reused
         if blocks.copies:  # the last block of a prompt reused whole: copy it before the last position is written
             targets, sources = zip(*blocks.copies)
-            self.cache.copy_blocks_(*(host_to_device(list(ids), torch.long, self.model.device)
-                                      for ids in (targets, sources)))
+            self.forward.copy_blocks(*(host_to_device(list(ids), torch.long, self.model.device)
+                                       for ids in (targets, sources)))
         return _Running(handle, row, search, seed, blocks, prefilled=reused, registered=blocks.reused)
 
     def _plan_chunk(self) -> list[tuple[_Running, Piece]]:
@@ -536,8 +536,8 @@ class Scheduler:
         if width > 1 and len(request.handle.prompt) % self.block_size:
             last = len(request.handle.prompt) // self.block_size
             device = self.model.device
-            self.cache.copy_blocks_(host_to_device([table[last] for table in tables[1:]], torch.long, device),
-                                    host_to_device([tables[0][last]] * (width - 1), torch.long, device))
+            self.forward.copy_blocks(host_to_device([table[last] for table in tables[1:]], torch.long, device),
+                                     host_to_device([tables[0][last]] * (width - 1), torch.long, device))
         self.tables.set(first, tables)
         if self.model.lora is not None:
             self.forward.set_adapters(first, [request.handle.adapter] * width)
