@@ -287,10 +287,14 @@ def bench_main(doc: str, name: str, run_bench: Callable[[bool], dict], report_of
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test, no timing value)")
     args = parser.parse_args()
     result = run_bench(args.tiny)
-    out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, f"{name}.json"), "w") as stream:
-        json.dump(result, stream, indent=1)
+    save_result(name, result)
     print(report_of(result))
+
+
+def save_result(name: str, result: dict) -> None:
+    """Write a bench's result to ``$OUT/<name>.json`` (the current folder without ``OUT``)."""
+    with open(os.path.join(os.environ.get("OUT", "."), f"{name}.json"), "w") as stream:
+        json.dump(result, stream, indent=1)
 
 
 if __name__ == "__main__":

@@ -14,12 +14,10 @@ adapter. Target (issue 22): 32 rows over 4 adapters at most 1.25x the base model
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
 from dataclasses import replace
 
 import torch
+from llava_bench import bench_main
 from mixed_decode import CONTEXT, FULL, GREEDY, TINY, decoder, measure
 
 from exporter.llm import gemv, lora_layers
@@ -96,16 +94,5 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test, no timing value)")
-    args = parser.parse_args()
-    result = run(args.tiny or not torch.cuda.is_available())
-    out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "lora_bench.json"), "w") as stream:
-        json.dump(result, stream, indent=1)
-    print(report(result))
-
-
 if __name__ == "__main__":
-    main()
+    bench_main(__doc__, "lora_bench", lambda tiny: run(tiny or not torch.cuda.is_available()), report)

@@ -15,15 +15,13 @@ copy bandwidth. The last line scales the step to all 32 layers at the same fract
 from __future__ import annotations
 
 import argparse
-import json
-import os
 
 import torch
+from llava_bench import copy_bandwidth, kv_bytes_per_token, save_result, scheduler_decode, timed
 
 from exporter.llm import moe_triton
 from exporter.llm.config import DecoderConfig
 from exporter.llm.model import Decoder, Router
-from llava_bench import copy_bandwidth, kv_bytes_per_token, scheduler_decode, timed
 
 MIXTRAL = dict(hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32, num_query_groups=8, head_dim=128,
                vocab_size=32000, num_moe_experts=8, moe_router_topk=2, rotary_base=1e6)
@@ -154,8 +152,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32, help="decode steps per measurement")
     args = parser.parse_args()
     result = run(args.tiny, args.layers, args.context, args.steps)
-    with open(os.path.join(os.environ.get("OUT", "."), "moe_bench.json"), "w") as stream:
-        json.dump(result, stream, indent=1)
+    save_result("moe_bench", result)
     print(report(result))
 
 

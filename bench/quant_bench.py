@@ -21,8 +21,6 @@ writes ``$OUT/quant_bench.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
 
 import torch
@@ -34,6 +32,7 @@ from llava_bench import (
     _measure_throughput,
     _measure_ttft,
     copy_bandwidth,
+    save_result,
 )
 
 from exporter.llm import gemv
@@ -202,9 +201,7 @@ def main() -> None:
                         help="methods to measure beside bf16 (default: all)")
     args = parser.parse_args()
     summary = run(args.tiny, args.methods)
-    out = os.environ.get("OUT", ".")
-    with open(os.path.join(out, "quant_bench.json"), "w") as stream:
-        json.dump(summary, stream, indent=1)
+    save_result("quant_bench", summary)
     print(report(summary))
 
 

@@ -332,8 +332,8 @@ def scheduler_only(engine_dir: Path, device: str, requests: list[BenchRequest], 
     from exporter.llm.generate import SamplingParams
     from exporter.runtime import Request
 
-    exporter = TensorRTMMExporter(engine_dir, device=device)
-    exporter.generate([Request(requests[0].text, requests[0].image, SamplingParams(max_output_len=2))])  # warm
+    engine = TensorRTMMExporter(engine_dir, device=device)
+    engine.generate([Request(requests[0].text, requests[0].image, SamplingParams(max_output_len=2))])  # warm
     result = {}
     for concurrency in concurrencies:
         share = requests[: _phase_size(concurrency, len(requests))]
@@ -348,8 +348,8 @@ def scheduler_only(engine_dir: Path, device: str, requests: list[BenchRequest], 
                     item = pending.get_nowait()
                 except queue.Empty:
                     return
-                (completion,) = exporter.generate([Request(item.text, item.image,
-                                                           SamplingParams(max_output_len=item.max_output_len))])
+                (completion,) = engine.generate([Request(item.text, item.image,
+                                                         SamplingParams(max_output_len=item.max_output_len))])
                 if isinstance(completion, Exception):
                     raise completion
                 tokens[index] += len(completion.token_ids[0])
@@ -358,8 +358,8 @@ def scheduler_only(engine_dir: Path, device: str, requests: list[BenchRequest], 
         with ThreadPoolExecutor(concurrency) as pool:
             list(pool.map(loop, range(concurrency)))
         result[concurrency] = sum(tokens) / (time.monotonic() - started)
-    exporter.pipeline.close()
-    del exporter
+    engine.pipeline.close()
+    del engine
     if device == "cuda":
         torch.cuda.empty_cache()
     return result
