@@ -29,7 +29,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -38,7 +37,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from serve_bench import LLAVA_SHAPE, make_words, write_llava_nemo  # noqa: E402
+from serve_bench import LLAVA_SHAPE, make_words, wait_ready, write_llava_nemo  # noqa: E402
 
 MODEL = "coldstart"
 BEFORE = {"export_s": 35.0, "first_start_s": 44.0, "first_request_s": 0.85}  # issue 20, H100, one process
@@ -182,7 +181,8 @@ def serve_and_query(engine: Path, device: str, limits: dict, log: Path, image_si
         started = time.perf_counter()
         server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        ready = _wait_ready(server, f"http://127.0.0.1:{ports[0]}/v2/models/{MODEL}/ready", log) - started
+        ready = wait_ready(server, f"http://127.0.0.1:{ports[0]}/v2/models/{MODEL}/ready", log, timeout_s=600,
+                           poll_s=0.05) - started
         requests = [_request(seed, image_size, new_tokens) for seed in range(steady_requests + 1)]
         latencies = []
         with ModelClient(f"127.0.0.1:{ports[0]}", MODEL, inference_timeout_s=600) as client:
@@ -212,20 +212,6 @@ def _request(seed: int, image_size: int, new_tokens: int) -> dict[str, np.ndarra
            "input_media_bytes": np.array([image_bytes(pixels)], dtype=object),
            **param_tensors({"max_output_len": new_tokens})}
     return {name: value[np.newaxis] for name, value in row.items()}
-
-
-def _wait_ready(server: subprocess.Popen, url: str, log: Path, timeout_s: float = 600) -> float:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the server exited; its log:\n{log.read_text()[-4000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return time.perf_counter()
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("the server did not become ready")
 
 
 def server_phases(log: str) -> dict[str, str]:

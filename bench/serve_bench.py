@@ -531,18 +531,28 @@ def start_ray_server(engine_dir: Path, device: str, replicas: int, cpus_per_repl
 def _ready(command: list[str], log: Path, ready_url: str) -> subprocess.Popen:
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 1200
+    try:
+        wait_ready(process, ready_url, log, timeout_s=1200, poll_s=1)
+    except RuntimeError:
+        process.kill()
+        raise
+    return process
+
+
+def wait_ready(process: subprocess.Popen, url: str, log: Path, timeout_s: float, poll_s: float) -> float:
+    """Poll a server's readiness `url` every `poll_s` until it answers 200; returns `time.perf_counter()` then.
+    Raises with the end of its `log` if the process exits first, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"the server exited; its log:\n{log.read_text()[-5000:]}")
         try:
-            with urllib.request.urlopen(ready_url, timeout=2) as response:
+            with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
-                    return process
+                    return time.perf_counter()
         except OSError:
-            time.sleep(1)
-    process.kill()
-    raise RuntimeError("the server did not become ready in 20 minutes")
+            time.sleep(poll_s)
+    raise RuntimeError(f"the server did not become ready in {timeout_s:g} s")
 
 
 # --- the table -------------------------------------------------------------------------------------------------------
