@@ -392,7 +392,7 @@ def random_engine(folder: Path, setting: Setting, words: list[str], shape: dict,
         nemo = write_llava_nemo(Path(tmp) / "random_neva.nemo", words, shape, dtype)
         tokens_per_image = (shape["vision"]["image_size"] // shape["vision"]["patch_size"]) ** 2
         TensorRTMMExporter(folder, device="cuda" if torch.cuda.is_available() else "cpu").export(
-            nemo, model_type="neva", dtype=shape.dtype, max_batch_size=setting.max_batch_size,
+            nemo, model_type="neva", dtype=dtype, max_batch_size=setting.max_batch_size,
             max_input_len=setting.max_input_len, max_output_len=setting.max_output_len,
             max_multimodal_len=setting.max_batch_size * tokens_per_image, load_model=False)
     return folder

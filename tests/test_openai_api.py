@@ -330,6 +330,20 @@ def test_long_stream_joins_to_the_answer(babbler):
     assert chunks[-2].choices[0].finish_reason == "length" and chunks[-1].usage == whole.usage
 
 
+def test_a_slow_stream_consumer_gets_fewer_longer_pieces(babbler):
+    """Tokens generated while the consumer was away come as one piece: a busy server sends fewer responses, and
+    the pieces still join to the answer."""
+    exporter, _, image = babbler
+    request = Request("describe the image", png_bytes(image), SamplingParams(max_output_len=60))
+    (whole,) = exporter.generate([request])
+    pieces = []
+    for piece in exporter.stream(request):
+        pieces.append(piece)
+        time.sleep(0.05)
+    assert "".join(pieces) == whole.texts[0]
+    assert 2 <= len(pieces) <= len(whole.token_ids[0]) // 2
+
+
 def test_closing_a_stream_cancels_its_generation(babbler, monkeypatch):
     exporter, url, image = babbler
     scheduler = exporter.pipeline.scheduler

@@ -109,7 +109,10 @@ class Pipeline:
         return results
 
     def stream(self, request: Request) -> Generator[str, None, Completion]:
-        """Yield the text of one request's answer piece by piece as tokens are generated; return its Completion."""
+        """Yield the text of one request's answer piece by piece as tokens are generated; return its Completion.
+
+        A piece holds every token generated since the consumer took the previous one: a consumer that keeps up gets
+        a piece a token, a slower one (a busy server sending many streams) fewer, longer pieces, never a backlog."""
         (prepared,) = self._prepare([request])
         if isinstance(prepared, Exception):
             raise prepared
@@ -121,8 +124,10 @@ class Pipeline:
         generated: list[int] = []
         sent = ""
         try:
-            while (token := tokens.get()) is not None:
+            finished = False
+            while not finished and (token := tokens.get()) is not None:
                 generated.append(token)
+                finished = _take_queued(tokens, generated)
                 text = self.engine.tokenizer.decode(generated).lstrip()
                 if len(text) > len(sent) and not text.endswith("\ufffd"):  # hold back half a character
                     yield text[len(sent):]
@@ -239,3 +244,16 @@ class _MediaItem:
     key: str | None
     block: torch.Tensor | None
     inputs: torch.Tensor | None
+
+
+def _take_queued(tokens: queue.Queue[int | None], generated: list[int]) -> bool:
+    """Move the tokens already waiting in ``tokens`` onto ``generated``; whether the end mark (None) was among
+    them."""
+    while True:
+        try:
+            token = tokens.get_nowait()
+        except queue.Empty:
+            return False
+        if token is None:
+            return True
+        generated.append(token)
