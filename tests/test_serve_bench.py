@@ -28,3 +28,17 @@ def test_serve_bench_runs_every_protocol_and_prints_the_table(tmp_path):
     assert float(result["scheduler_tok_s"]["2"]) > 0
     table = done.stdout.splitlines()
     assert any(line.startswith("triton_http") and "c=2" in line for line in table)
+
+
+def test_random_engine_of_a_given_shape_is_exported(tmp_path, monkeypatch):
+    """The --llava and --small_llm engines: a random `.nemo` of a shape, exported in the requested dtype."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import serve_bench
+
+    shape = {"vision": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                            image_size=28, patch_size=14),
+             "llm": dict(vocab_size=1024, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_attention_heads=2)}
+    engine = serve_bench.random_engine(tmp_path / "engine", serve_bench.SMALL_LLM, serve_bench.make_words(0, 600),
+                                       shape, "float32")
+    manifest = json.loads((engine / "manifest.json").read_text())
+    assert manifest["dtype"] == "float32", manifest
