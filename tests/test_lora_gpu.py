@@ -11,6 +11,7 @@ import torch
 from exporter.llm import lora_layers
 from exporter.llm.generate import SamplingParams
 from exporter.llm.lora_layers import LORA_MODULES, LoraBank, LoraSlots, lora_shape
+from exporter.runtime.cuda_graphs import capture
 from exporter.runtime.scheduler import Scheduler
 from support.decoders import PARITY_VOCAB, parity_decoder
 
@@ -100,15 +101,9 @@ def test_kernels_in_a_captured_graph_follow_each_replays_slots():
     x = torch.zeros(32, 1, 4096, device="cuda", dtype=torch.bfloat16)
     y = torch.zeros(32, 1, 12288, device="cuda", dtype=torch.bfloat16)
     adapters = torch.zeros(32, dtype=torch.long, device="cuda")
-    out = slots.kernels(y.clone(), x, adapters)  # compiles outside the capture
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        static = y.clone()
-        with torch.cuda.graph(graph):
-            out = slots.kernels(static, x, adapters)
-    torch.cuda.current_stream().wait_stream(stream)
+    static = y.clone()
+    graph, out = capture(lambda: slots.kernels(static, x, adapters), None)
+    assert out is static
     for seed, mix in ((1, torch.arange(32) % 5), (2, torch.tensor([3, 0] * 16)), (3, torch.zeros(32))):
         generator = torch.Generator("cuda").manual_seed(seed)
         x.copy_(torch.randn(x.shape, generator=generator, device="cuda"))

@@ -134,7 +134,9 @@ def test_kernels_under_the_triton_interpreter():
 @pytest.mark.parametrize("rank", (16, 64))
 def test_kernels_compile_for_the_h100(tokens, rank):
     """Both kernels build for sm_90 in bfloat16 at LLaVA-7B's widest projections (no GPU needed: Triton's own
-    ptxas), with the block sizes `tiles` picks, so the CUDA path cannot fail to compile on the server."""
+    ptxas), with the block sizes `tiles` picks and the specialization a decode launch gets (one token a row,
+    16-aligned pointers and sizes), so the CUDA path cannot fail to compile on the server; the shrink streams its
+    inputs through shared memory (cp.async), and the expand issues the next slot's B during this slot's product."""
     pytest.importorskip("triton")
     if INTERPRETED:
         pytest.skip("compiles in the parent run")
@@ -148,17 +150,22 @@ def test_kernels_compile_for_the_h100(tokens, rank):
         sizes = tiles(tokens, depth, rank)
         splits = -(-depth // sizes["K_PER_PROGRAM"])
         assert splits <= 8 and sizes["BLOCK_R"] >= rank
-        shrink = {name: sizes[name] for name in ("BLOCK_M", "BLOCK_R", "BLOCK_K", "K_PER_PROGRAM")}
-        expand = {"SPLITS": splits, **{name: sizes[name] for name in ("BLOCK_M", "BLOCK_R", "BLOCK_N")}}
-        for kernel, warps, pointers, scalars, constants in (
+        shrink = {"T": 1, **{name: sizes[name] for name in ("BLOCK_M", "BLOCK_R", "BLOCK_K", "K_PER_PROGRAM")}}
+        expand = {"T": 1, "SPLITS": splits, **{name: sizes[name] for name in ("BLOCK_M", "BLOCK_R", "BLOCK_N")}}
+        for kernel, warps, arguments, constants in (
                 (_shrink_kernel, sizes["shrink_warps"],
-                 ("x_ptr:bf16", "a_ptr:bf16", "slot_ptr:i64", "rank_ptr:i32", "part_ptr:fp32"), ("M", "K", "T", "R"),
-                 shrink),
+                 ("x_ptr:*bf16", "a_ptr:*bf16", "slot_ptr:*i64", "rank_ptr:*i32", "part_ptr:*fp32", "M:i32",
+                  "K:i32", "T:i32", "R:i32"), shrink),
                 (_expand_kernel, sizes["expand_warps"],
-                 ("y_ptr:bf16", "part_ptr:fp32", "b_ptr:bf16", "slot_ptr:i64", "rank_ptr:i32"),
-                 ("M", "N", "T", "R", "S"), expand)):
-            signature = {name: f"*{kind}" for name, kind in (p.split(":") for p in pointers)}
-            signature.update({name: "i32" for name in scalars}, **{name: "constexpr" for name in constants})
-            built = compile_kernel(ASTSource(fn=kernel, signature=signature, constexprs=constants), target=target,
-                                   options={"num_warps": warps})
-            assert built.asm["cubin"] and built.metadata.num_warps == warps
+                 ("y_ptr:*bf16", "part_ptr:*fp32", "b_ptr:*bf16", "slot_ptr:*i64", "M:i32", "N:i32", "T:i32",
+                  "R:i32", "S:i32"), expand)):
+            signature = {name: "constexpr" if name in constants else kind
+                         for name, kind in (argument.split(":") for argument in arguments)}
+            signature.update({name: "constexpr" for name in constants})
+            aligned = {(index,): [["tt.divisibility", 16]] for index, kind in enumerate(signature.values())
+                       if kind != "constexpr" and list(signature)[index] != "S"}  # S: 4 slots
+            built = compile_kernel(ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=aligned),
+                                   target=target, options={"num_warps": warps})
+            assert built.metadata.num_warps == warps and built.asm["cubin"]
+            ptx = built.asm["ptx"]
+            assert "cp.async" in ptx and ("mma.sync" in ptx or "wgmma" in ptx), (kernel, tokens, rank, depth)

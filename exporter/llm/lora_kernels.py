@@ -10,7 +10,8 @@ weights are read once per block rather than once per row, and a block without ad
   up to the slot's own rank, and stores the float32 partial sums of the block's rows that use ``s`` (each row is
   written by exactly one slot's program of each split; nothing is zeroed beforehand).
 - expand, grid ``(blocks, output tiles)``: sums the partials, rounds them to the model dtype (NeMo's ``linear_in``
-  output), multiplies by ``B[s]`` for each slot the block uses, and adds into ``y`` where a row has an adapter.
+  output), multiplies by ``B[s]`` for each slot the block uses (the padding past a slot's rank is zeros), and adds
+  into ``y`` where a row has an adapter.
 
 Nothing is gathered, scattered or zeroed outside the two kernels and nothing is synchronized with the host, so a
 captured CUDA graph replays them for any mix of slots. Offsets are 32-bit: each tensor has under 2**31 elements.
@@ -55,7 +56,7 @@ def add_lora_(y: Tensor, x: Tensor, slots: Tensor, a: Tensor, b: Tensor, ranks: 
         x, a, slots, ranks, parts, tokens, depth, per_row, rank, BLOCK_M=sizes["BLOCK_M"], BLOCK_R=sizes["BLOCK_R"],
         BLOCK_K=sizes["BLOCK_K"], K_PER_PROGRAM=sizes["K_PER_PROGRAM"], num_warps=sizes["shrink_warps"])
     _expand_kernel[(blocks, triton.cdiv(width, sizes["BLOCK_N"]))](
-        y, parts, b, slots, ranks, tokens, width, per_row, rank, capacity, SPLITS=splits,
+        y, parts, b, slots, tokens, width, per_row, rank, capacity, SPLITS=splits,
         BLOCK_M=sizes["BLOCK_M"], BLOCK_R=sizes["BLOCK_R"], BLOCK_N=sizes["BLOCK_N"],
         num_warps=sizes["expand_warps"])
     return y
@@ -89,7 +90,7 @@ if triton is not None:
                  mask=uses[:, None])
 
     @triton.jit
-    def _expand_kernel(y_ptr, part_ptr, b_ptr, slot_ptr, rank_ptr, M, N, T, R, S, SPLITS: tl.constexpr,
+    def _expand_kernel(y_ptr, part_ptr, b_ptr, slot_ptr, M, N, T, R, S, SPLITS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
         """y[m] += B[s]^T (the partials' sum in the model dtype) for BLOCK_N output columns of the block's rows;
         rows without an adapter are neither read nor written."""
@@ -107,15 +108,17 @@ if triton is not None:
         down = down.to(y_ptr.dtype.element_ty)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < N
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for slot in range(1, S + 1):
-            uses = slots == slot
-            if tl.max(uses.to(tl.int32), axis=0) > 0:
-                r_ok = r < tl.load(rank_ptr + slot)
-                b = tl.load(b_ptr + slot * R * N + r[:, None] * N + cols[None, :],
-                            mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-                acc = tl.dot(tl.where(uses[:, None], down, 0.0).to(b.dtype), b, acc)
         where = rows[:, None] * N + cols[None, :]
         keep = adapted[:, None] & col_ok[None, :]
-        y = tl.load(y_ptr + where, mask=keep, other=0.0)
+        y = tl.load(y_ptr + where, mask=keep, other=0.0)  # issued before the products, its latency hidden
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # The slots from the block's lowest to its highest; B of a slot no row uses is masked off (not read). No
+        # branch in the loop, so Triton's pipeliner issues the next slot's B loads during this slot's product.
+        first = tl.min(tl.where(adapted, slots, S + 1), axis=0)
+        for slot in range(first, tl.max(slots, axis=0) + 1):
+            uses = slots == slot
+            live = tl.max(uses.to(tl.int32), axis=0)  # 1 when a row uses this slot, else 0: no rank rows read
+            b = tl.load(b_ptr + slot * R * N + r[:, None] * N + cols[None, :],
+                        mask=(r[:, None] < R * live) & col_ok[None, :], other=0.0)
+            acc = tl.dot(tl.where(uses[:, None], down, 0.0).to(b.dtype), b, acc)
         tl.store(y_ptr + where, (y.to(tl.float32) + acc).to(y_ptr.dtype.element_ty), mask=keep)
