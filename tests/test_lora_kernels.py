@@ -130,7 +130,7 @@ def test_kernels_under_the_triton_interpreter():
     assert " passed" in child.stdout and "failed" not in child.stdout and "skipped" not in child.stdout
 
 
-@pytest.mark.parametrize("tokens", (32, 544))
+@pytest.mark.parametrize("tokens", (1, 32, 544))
 @pytest.mark.parametrize("rank", (16, 64))
 def test_kernels_compile_for_the_h100(tokens, rank):
     """Both kernels build for sm_90 in bfloat16 at LLaVA-7B's widest projections (no GPU needed: Triton's own

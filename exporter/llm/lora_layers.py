@@ -93,7 +93,7 @@ class LoraSlots:
     def __call__(self, y: Tensor, x: Tensor, adapters: Tensor) -> Tensor:
         """``y [B, T, out]`` plus each row's update of ``x [B, T, in]``; ``adapters [B]``: each row's slot. On
         CUDA in float16/bfloat16 the update is added into ``y`` in place (`lora_kernels`)."""
-        if (CUDA_KERNEL == "triton" and triton is not None and x.is_cuda and x.dtype == self.a.dtype
+        if (CUDA_KERNEL == "triton" and triton is not None and x.is_cuda and x.dtype == y.dtype == self.a.dtype
                 and x.dtype in (torch.float16, torch.bfloat16) and y.is_contiguous() and x.is_contiguous()):
             return self.kernels(y, x, adapters)
         return self.batched(y, x, adapters)
