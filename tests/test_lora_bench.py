@@ -19,4 +19,7 @@ def test_lora_bench_runs_and_prints_the_table(tmp_path):
     result = json.loads((tmp_path / "lora_bench.json").read_text())
     for key in ("base_bs32", "base_bs1", "no_adapter_rows_bs32", "lora_bs32", "lora_bs1"):
         assert result[key] > 0, key
-    assert "4 adapters x 8 rows (fastest)" in done.stdout and "target: 4 adapters over 32 rows" in done.stdout
+    assert "4 adapters x 8 rows " in done.stdout and "target: 4 adapters over 32 rows" in done.stdout
+    alone = result["lora_alone_ms"]["default"]
+    assert set(alone) == {"all", "no_adapter_rows", "attn_qkv", "attn_dense", "mlp_h_to_4h", "mlp_4h_to_h"}
+    assert all(ms > 0 for ms in alone.values()) and "LoRA updates of one 32-row step alone" in done.stdout

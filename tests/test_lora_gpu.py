@@ -1,6 +1,7 @@
 """On CUDA (skipped elsewhere): LoRA rows in captured decode steps (a late request joining with another adapter)
-give what the CPU gives eagerly in float32, token for token; both CUDA products (gathered batched products, Triton
-kernels) agree in bf16 at LLaVA-7B's projection shapes."""
+give what the CPU gives eagerly in float32, token for token; in bf16 the Triton kernels (`lora_kernels`, in place)
+agree with the gathered batched products at LLaVA-7B's projection shapes, eagerly and replayed in a captured
+graph for other slots."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 from exporter.llm import lora_layers
 from exporter.llm.generate import SamplingParams
 from exporter.llm.lora_layers import LORA_MODULES, LoraBank, LoraSlots, lora_shape
+from exporter.runtime.cuda_graphs import capture
 from exporter.runtime.scheduler import Scheduler
 from support.decoders import PARITY_VOCAB, parity_decoder
 
@@ -61,23 +63,53 @@ def test_lora_rows_in_captured_steps_equal_the_cpu():
     assert len({tuple(tokens) for tokens in graphed[:3]}) == 3  # a, b and none answer differently
 
 
-@pytest.mark.parametrize("shape", ((4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)))
-@torch.inference_mode()
-def test_both_cuda_products_agree_in_bf16(shape):
-    in_features, out_features = shape
-    slots = LoraSlots(4, 16, in_features, out_features, torch.bfloat16, torch.device("cuda"))
-    generator = torch.Generator("cuda").manual_seed(0)
-    for slot, rank in enumerate((16, 8, 16, 4), start=1):
+def _slots_bf16(in_features: int, out_features: int, ranks=(16, 8, 16, 4)) -> LoraSlots:
+    slots = LoraSlots(len(ranks), max(ranks), in_features, out_features, torch.bfloat16, torch.device("cuda"))
+    generator = torch.Generator("cuda").manual_seed(in_features + out_features)
+    for slot, rank in enumerate(ranks, start=1):
         slots.write(slot, torch.randn(rank, in_features, generator=generator, device="cuda") / in_features**0.5,
                     torch.randn(out_features, rank, generator=generator, device="cuda"), 2.0)
-    adapters = torch.arange(32, device="cuda") % 5
-    x = torch.randn(32, 1, in_features, generator=generator, device="cuda").bfloat16()
-    y = torch.randn(32, 1, out_features, generator=generator, device="cuda").bfloat16()
-    batched, kernels = slots.batched(y, x, adapters), slots.kernels(y, x, adapters)
-    torch.testing.assert_close(kernels.float(), batched.float(), rtol=2e-2, atol=5e-2)
-    assert torch.equal(kernels[0], y[0]) and torch.equal(batched[5], y[5])
-    lora_layers.CUDA_KERNEL = "triton"
+    return slots
+
+
+@pytest.mark.parametrize("rows", (32, 544))
+@pytest.mark.parametrize("shape", ((4096, 12288), (4096, 4096), (4096, 22016), (11008, 4096)))
+@torch.inference_mode()
+def test_kernels_agree_with_the_batched_products_in_bf16(shape, rows):
+    """LLaVA-7B's four projections; 32 decode rows, or 544 (decode rows and a prefill chunk's tokens)."""
+    in_features, out_features = shape
+    slots = _slots_bf16(in_features, out_features)
+    adapters = torch.arange(rows, device="cuda") % 5
+    x = torch.randn(rows, 1, in_features, device="cuda").bfloat16()
+    y = torch.randn(rows, 1, out_features, device="cuda").bfloat16()
+    batched = slots.batched(y, x, adapters)
+    base = y.clone()
+    assert slots(y, x, adapters) is y  # the kernels, in place
+    torch.testing.assert_close(y.float(), batched.float(), rtol=2e-2, atol=5e-2)
+    assert torch.equal(y[0], base[0]) and torch.equal(y[5], base[5])
+    lora_layers.CUDA_KERNEL = "bmm"
     try:
-        assert torch.equal(slots(y, x, adapters), kernels)
+        assert torch.equal(slots(base, x, adapters), batched)
     finally:
-        lora_layers.CUDA_KERNEL = None
+        lora_layers.CUDA_KERNEL = "triton"
+
+
+@torch.inference_mode()
+def test_kernels_in_a_captured_graph_follow_each_replays_slots():
+    """One capture, replayed for other inputs and another mix of slots (and none), against the batched products."""
+    slots = _slots_bf16(4096, 12288)
+    x = torch.zeros(32, 1, 4096, device="cuda", dtype=torch.bfloat16)
+    y = torch.zeros(32, 1, 12288, device="cuda", dtype=torch.bfloat16)
+    adapters = torch.zeros(32, dtype=torch.long, device="cuda")
+    static = y.clone()
+    graph, out = capture(lambda: slots.kernels(static, x, adapters), None)
+    assert out is static
+    for seed, mix in ((1, torch.arange(32) % 5), (2, torch.tensor([3, 0] * 16)), (3, torch.zeros(32))):
+        generator = torch.Generator("cuda").manual_seed(seed)
+        x.copy_(torch.randn(x.shape, generator=generator, device="cuda"))
+        y.copy_(torch.randn(y.shape, generator=generator, device="cuda"))
+        adapters.copy_(mix)
+        static.copy_(y)
+        graph.replay()
+        torch.testing.assert_close(out.float(), slots.batched(y, x, adapters).float(), rtol=2e-2, atol=5e-2)
+        assert all(torch.equal(out[row], y[row]) for row in range(32) if not int(mix[row]))

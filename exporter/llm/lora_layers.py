@@ -7,8 +7,9 @@ adapted projection holds a :class:`LoraSlots`: ``a [slots + 1, r, in]`` and ``b 
 the scale folded in), zero-padded to the bank's rank ``r`` (``max_lora_rank``), slot 0 all zeros (no adapter). A
 row names its slot (``adapters [B]``, a device tensor), so rows with different adapters and rows with none share one
 step, and a captured CUDA graph replays for any mix: ``y + (x a[i]^T) b[i]`` as two batched products over the
-gathered slots (``torch.bmm``), or, on CUDA for one token per row, two Triton kernels that read each row's slot in
-place and skip the rank padding (the faster of the two for each shape, timed once: ``gemv.fastest``).
+gathered slots (``torch.bmm``; the CPU, float32 and reference path), or, on CUDA in float16/bfloat16, two Triton
+kernels (`exporter.llm.lora_kernels`) that read each slot once per block of rows, up to the slot's own rank, and add
+into the projection's output in place.
 """
 
 from __future__ import annotations
@@ -21,13 +22,7 @@ import torch
 from torch import Tensor
 
 from .config import DecoderConfig
-from .gemv import fastest
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # CPU-only installs: the batched products everywhere
-    triton = None
+from .lora_kernels import add_lora_, triton
 
 if TYPE_CHECKING:
     from .model import Decoder
@@ -39,10 +34,9 @@ LORA_MODULES: dict[str, str] = {
     "mlp_h_to_4h": "mlp.linear_fc1",
     "mlp_4h_to_h": "mlp.linear_fc2",
 }
-_K_PER_PROGRAM = 1024  # input columns one program of the Triton shrink kernel sums
-# The one-token-per-row CUDA products: None takes the faster of "bmm" and "triton" per shape (timed once); set it to
-# one of them to fix the choice (the benchmark measures each).
-CUDA_KERNEL: str | None = None
+# The CUDA products in float16/bfloat16: "triton" (`lora_kernels`, in place) or "bmm" (the gathered batched
+# products, which the benchmark measures beside them).
+CUDA_KERNEL = "triton"
 
 
 def lora_shape(config: DecoderConfig, module: str) -> tuple[int, int]:
@@ -97,34 +91,22 @@ class LoraSlots:
         self.ranks[slot] = rank
 
     def __call__(self, y: Tensor, x: Tensor, adapters: Tensor) -> Tensor:
-        """``y [B, T, out]`` plus each row's update of ``x [B, T, in]``; ``adapters [B]``: each row's slot."""
-        if (triton is not None and x.is_cuda and x.shape[1] == 1 and x.dtype in (torch.float16, torch.bfloat16)
-                and y.is_contiguous() and x.is_contiguous()):
-            key = ("lora", x.shape[0], x.shape[2], y.shape[2], self.a.shape[1], x.dtype)
-            candidates = {"bmm": lambda: self.batched(y, x, adapters), "triton": lambda: self.kernels(y, x, adapters)}
-            if CUDA_KERNEL is not None:
-                return candidates[CUDA_KERNEL]()
-            return fastest(key, candidates, "bmm")
+        """``y [B, T, out]`` plus each row's update of ``x [B, T, in]``; ``adapters [B]``: each row's slot. On
+        CUDA in float16/bfloat16 the update is added into ``y`` in place (`lora_kernels`)."""
+        if (CUDA_KERNEL == "triton" and triton is not None and x.is_cuda and x.dtype == y.dtype == self.a.dtype
+                and x.dtype in (torch.float16, torch.bfloat16) and y.is_contiguous() and x.is_contiguous()):
+            return self.kernels(y, x, adapters)
         return self.batched(y, x, adapters)
 
     def batched(self, y: Tensor, x: Tensor, adapters: Tensor) -> Tensor:
-        """The update as two batched products over each row's gathered slot (any device, any T)."""
+        """The update as two batched products over each row's gathered slot (any device, any T), out of place."""
         down = torch.bmm(x, self.a.index_select(0, adapters).transpose(1, 2))  # [B, T, rank], the model dtype
         return torch.baddbmm(y, down, self.b.index_select(0, adapters))
 
     def kernels(self, y: Tensor, x: Tensor, adapters: Tensor) -> Tensor:
-        """The update by the Triton kernels (one token per row): each row reads its slot, up to the slot's rank."""
-        rows, depth, width, rank = x.shape[0], x.shape[2], y.shape[2], self.a.shape[1]
-        block_r = triton.next_power_of_2(rank)
-        block = min(256, max(32, 4096 // block_r))  # a tile of about 4096 float32 values per program
-        splits = triton.cdiv(depth, _K_PER_PROGRAM)
-        parts = torch.empty(splits, rows, block_r, dtype=torch.float32, device=x.device)
-        _shrink_kernel[(rows, splits)](x, self.a, adapters, self.ranks, parts, rows, depth, rank,
-                                       BLOCK_R=block_r, BLOCK_K=min(block, 128), K_PER_PROGRAM=_K_PER_PROGRAM)
-        out = torch.empty_like(y)
-        _expand_kernel[(rows, triton.cdiv(width, block))](y, parts, self.b, adapters, self.ranks, out, rows, width,
-                                                          rank, SPLITS=splits, BLOCK_R=block_r, BLOCK_N=block)
-        return out
+        """The update by the Triton kernels, added into ``y`` in place: each block of rows reads the slots its
+        rows use, up to each slot's rank; rows without an adapter are not touched."""
+        return add_lora_(y, x, adapters, self.a, self.b, self.ranks)
 
 
 class LoraBank:
@@ -215,47 +197,3 @@ class LoraBank:
     def _unknown(self, uid: str) -> str:
         known = ", ".join(repr(u) for u in self._uids) or "none"
         return f"unknown LoRA adapter {uid!r}; served adapters: {known}"
-
-
-if triton is not None:
-
-    @triton.jit
-    def _shrink_kernel(x_ptr, a_ptr, slot_ptr, rank_ptr, part_ptr, rows, K, R, BLOCK_R: tl.constexpr,
-                       BLOCK_K: tl.constexpr, K_PER_PROGRAM: tl.constexpr):
-        """part[split, row] = A[slot] x[row] over this program's input columns, in float32; rank rows past the
-        slot's rank are neither read nor summed."""
-        row = tl.program_id(0)
-        split = tl.program_id(1)
-        slot = tl.load(slot_ptr + row)
-        r = tl.arange(0, BLOCK_R)
-        r_ok = r < tl.load(rank_ptr + slot)
-        a_slot = a_ptr + slot.to(tl.int64) * R * K
-        acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
-        for start in range(split * K_PER_PROGRAM, split * K_PER_PROGRAM + K_PER_PROGRAM, BLOCK_K):
-            cols = start + tl.arange(0, BLOCK_K)
-            col_ok = cols < K
-            a = tl.load(a_slot + r[:, None] * K + cols[None, :], mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + row * K + cols, mask=col_ok, other=0.0)
-            acc += a.to(tl.float32) * x.to(tl.float32)[None, :]
-        tl.store(part_ptr + (split * rows + row) * BLOCK_R + r, tl.sum(acc, axis=1))
-
-    @triton.jit
-    def _expand_kernel(y_ptr, part_ptr, b_ptr, slot_ptr, rank_ptr, out_ptr, rows, N, R, SPLITS: tl.constexpr,
-                       BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr):
-        """out[row] = y[row] + B[slot]^T (the shrink's sum, rounded to the model dtype as NeMo's linear_in output
-        is) for BLOCK_N output columns; a row without an adapter (rank 0) reads no B."""
-        row = tl.program_id(0)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        slot = tl.load(slot_ptr + row)
-        r = tl.arange(0, BLOCK_R)
-        r_ok = r < tl.load(rank_ptr + slot)
-        down = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for split in range(SPLITS):
-            down += tl.load(part_ptr + (split * rows + row) * BLOCK_R + r)
-        down = down.to(y_ptr.dtype.element_ty).to(tl.float32)
-        b = tl.load(b_ptr + slot.to(tl.int64) * R * N + r[:, None] * N + cols[None, :],
-                    mask=r_ok[:, None] & col_ok[None, :], other=0.0)
-        y = tl.load(y_ptr + row * N + cols, mask=col_ok, other=0.0)
-        update = tl.sum(b.to(tl.float32) * down[:, None], axis=0)
-        tl.store(out_ptr + row * N + cols, (y.to(tl.float32) + update).to(out_ptr.dtype.element_ty), mask=col_ok)
