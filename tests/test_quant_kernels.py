@@ -106,14 +106,15 @@ def test_every_tile_shape_of_the_search_space_computes_the_same(kernels):
     layout, stored = _stored("int4_awq", 65, 160, torch.float16, seed=5)
     x = torch.randn(2, 160, dtype=torch.float16, generator=torch.Generator().manual_seed(2))
     reference = _reference(x, layout, stored, None)
-    candidates = kernels._fits_registers(kernels._tuned_mv_kernel.configs, {}, BLOCK_M=2, G=layout.group, INT4=True)
-    assert len(candidates) > 5
-    for config in candidates:
-        out = kernels.fused_linear(x, layout, *_tensors(stored), None, config=dict(config.kwargs))
-        assert relative_error(out, reference) < 1e-2, config
+    for split in (False, True):
+        candidates = kernels._fits_registers(kernels._TUNED_KERNELS[False, split].configs, {}, BLOCK_M=2)
+        assert len(candidates) > 5
+        for config in candidates:
+            out = kernels.fused_linear(x, layout, *_tensors(stored), None, config=dict(config.kwargs))
+            assert relative_error(out, reference) < 1e-2, config
     x = torch.randn(20, 160, dtype=torch.float32, generator=torch.Generator().manual_seed(3))
     layout, stored = _stored("int4_wo", 65, 160, torch.float32, seed=6)
     reference = _reference(x, layout, stored, None)
-    for config in kernels._tuned_mm_kernel.configs:
+    for config in kernels._TUNED_KERNELS[True, False].configs + kernels._TUNED_KERNELS[True, True].configs:
         out = kernels.fused_linear(x, layout, *_tensors(stored), None, config=dict(config.kwargs))
         assert relative_error(out, reference) < 1e-5, config
