@@ -60,13 +60,15 @@ def _tensors(stored: dict) -> tuple:
 @pytest.mark.parametrize("method", QUANT_METHODS)
 @pytest.mark.parametrize("shape", LLAVA_SCALED + UNALIGNED, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_decode_kernel_equals_dequantize_then_matmul(kernels, method, shape):
-    """1..8 rows (FMA accumulation), bfloat16 activations, bias on the unaligned shapes."""
+    """1..8 rows (FMA accumulation), unsplit and with K split over 2 or 3 programs (float32 atomic partial sums),
+    bfloat16 activations, bias on the unaligned shapes."""
     n, k = shape
     layout, stored = _stored(method, n, k, torch.bfloat16, seed=n + k)
     bias = torch.randn(n, dtype=torch.bfloat16) if shape in UNALIGNED else None
-    for rows, block_k in ((1, 128), (3, 64), (8, 256)):
+    for rows, block_k, split in ((1, 128, 1), (3, 64, 1), (8, 256, 1), (1, 64, 3), (5, 32, 2)):
         x = torch.randn(rows, k, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(rows))
-        out = kernels.fused_linear(x, layout, *_tensors(stored), bias, config={"BLOCK_N": 64, "BLOCK_K": block_k})
+        config = {"BLOCK_N": 64, "BLOCK_K": block_k, "SPLIT_K": split}
+        out = kernels.fused_linear(x, layout, *_tensors(stored), bias, config=config)
         assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
         error = relative_error(out, _reference(x, layout, stored, bias))
         assert error < 1e-2, f"{rows} rows: relative error {error:.2e}"
@@ -80,9 +82,9 @@ def test_tensor_core_kernel_equals_dequantize_then_matmul(kernels, method, dtype
     for n, k in ((256, 688), (37, 100)):
         layout, stored = _stored(method, n, k, dtype, seed=k)
         bias = torch.randn(n, dtype=dtype)
-        for rows in (9, 40):
+        for rows, split in ((9, 1), (40, 1), (40, 3)):
             x = torch.randn(rows, k, dtype=dtype, generator=torch.Generator().manual_seed(rows))
-            config = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}
+            config = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": split}
             out = kernels.fused_linear(x, layout, *_tensors(stored), bias, config=config)
             error = relative_error(out, _reference(x, layout, stored, bias))
             assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"{n}x{k}, {rows} rows: {error:.2e}"
@@ -118,3 +120,21 @@ def test_every_tile_shape_of_the_search_space_computes_the_same(kernels):
     for config in kernels._TUNED_KERNELS[True, False].configs + kernels._TUNED_KERNELS[True, True].configs:
         out = kernels.fused_linear(x, layout, *_tensors(stored), None, config=dict(config.kwargs))
         assert relative_error(out, reference) < 1e-5, config
+
+
+@pytest.mark.parametrize("shape", [(3, 4096), (2, 11008), (5, 100)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_fp8_row_quantization_equals_torch(kernels, shape):
+    """The fused amax + scale + cast kernel against the same steps in torch: equal scales, and e4m3 values equal
+    or one step apart (the interpreter truncates where torch and the GPU round to nearest)."""
+    x = torch.randn(*shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(shape[1])) * 3
+    x[0, 7] = 40.0  # one large value: the first row's scale comes from it
+    quantized, scales = kernels.quantize_rows_fp8(x)
+    expected_scales = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+    expected = (x.float() / expected_scales).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    assert quantized.dtype == torch.float8_e4m3fn and scales.shape == (shape[0], 1)
+    torch.testing.assert_close(scales, expected_scales, rtol=1e-6, atol=0)
+    ours, theirs = quantized.float(), expected.float()
+    step = torch.maximum(ours.abs(), theirs.abs()) * 2.0**-3 + 2.0**-9  # one e4m3 step (3 mantissa bits)
+    assert ((ours - theirs).abs() <= step).all()
+    assert (ours != theirs).float().mean() < 0.1
+    assert relative_error(quantized.float() * scales, x.float()) < 5e-2
