@@ -124,17 +124,12 @@ def test_every_tile_shape_of_the_search_space_computes_the_same(kernels):
 
 @pytest.mark.parametrize("shape", [(3, 4096), (2, 11008), (5, 100)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_fp8_row_quantization_equals_torch(kernels, shape):
-    """The fused amax + scale + cast kernel against the same steps in torch: equal scales, and e4m3 values equal
-    or one step apart (the interpreter truncates where torch and the GPU round to nearest)."""
+    """The fused amax + scale kernel against the same steps in torch: equal scales and equal scaled values (taken
+    before the e4m3 cast, which the interpreter does inexactly; tests/test_quant_gpu.py checks the cast)."""
     x = torch.randn(*shape, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(shape[1])) * 3
     x[0, 7] = 40.0  # one large value: the first row's scale comes from it
-    quantized, scales = kernels.quantize_rows_fp8(x)
+    scaled, scales = kernels.quantize_rows_fp8(x, torch.float32)
     expected_scales = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
-    expected = (x.float() / expected_scales).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    assert quantized.dtype == torch.float8_e4m3fn and scales.shape == (shape[0], 1)
+    assert scales.shape == (shape[0], 1) and scaled[0, 7] == 448.0
     torch.testing.assert_close(scales, expected_scales, rtol=1e-6, atol=0)
-    ours, theirs = quantized.float(), expected.float()
-    step = torch.maximum(ours.abs(), theirs.abs()) * 2.0**-3 + 2.0**-9  # one e4m3 step (3 mantissa bits)
-    assert ((ours - theirs).abs() <= step).all()
-    assert (ours != theirs).float().mean() < 0.1
-    assert relative_error(quantized.float() * scales, x.float()) < 5e-2
+    torch.testing.assert_close(scaled, (x.float() / expected_scales).clamp(-448.0, 448.0), rtol=1e-6, atol=0)

@@ -129,11 +129,12 @@ def dequantize_on_device(layout: QuantLayout, weight: Tensor, scale: Tensor, zer
     return out
 
 
-def quantize_rows_fp8(x: Tensor) -> tuple[Tensor, Tensor]:
+def quantize_rows_fp8(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[Tensor, Tensor]:
     """`x [M, K]` (contiguous) as float8 e4m3 with one float32 scale a row (`x ~ q * scale`, scale = the row's
-    absolute maximum / 448): one Triton kernel, a program a row."""
+    absolute maximum / 448): one Triton kernel, a program a row. `dtype` float32 keeps the scaled values
+    unrounded (Triton's interpreter casts to e4m3 inexactly, so CPU checks look at the values before the cast)."""
     rows, k = x.shape
-    quantized = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    quantized = torch.empty(rows, k, dtype=dtype, device=x.device)
     scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     _fp8_rows_kernel[(rows,)](x, quantized, scales, k, FP8_MAX, BLOCK=min(2048, triton.next_power_of_2(k)),
                               num_warps=4)
@@ -329,7 +330,7 @@ if triton is not None:
         for k0 in range(0, K, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + row + cols, mask=cols < K, other=0.0).to(tl.float32)
-            q = tl.minimum(tl.maximum(x / scale, -FP8_MAX), FP8_MAX)
+            q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX)  # IEEE division, as torch
             tl.store(q_ptr + row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
         tl.store(s_ptr + tl.program_id(0), scale)
 
