@@ -11,8 +11,9 @@ bucket) times them and keeps the fastest (`gemv.fastest`), so a candidate can on
   buffer, which is then cast to the activation dtype. SPLIT_K and the tile are autotuned.
 - `dequant`: a Triton kernel writes the whole weight in the activation dtype, then cuBLAS multiplies.
 - `tinygemm` (int4 with bfloat16 activations, on CUDA builds of torch that have it): torch's
-  `_weight_int4pack_mm` on a copy of the weight repacked into its tiled layout at the first use (kept while the
-  weight lives: int4 weights then take their bytes twice).
+  `_weight_int4pack_mm` on a copy of the weight repacked into its tiled layout when first timed. The copy is
+  dropped if the product chose another candidate, else kept while the weight lives (int4 weights that chose it
+  take their bytes twice).
 - `scaled_mm` (FP8 weights on GPUs with FP8, sm_89+): one Triton kernel quantizes the activations to e4m3 per row
   (amax, scale and cast in one pass over each row) and `torch._scaled_mm` runs the product on FP8 tensor cores
   (per-row activation and per-channel weight scales).
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..gemv import fastest, register_tuned
+from ..gemv import chosen, fastest, register_tuned
 from .formats import FP8_MAX, QuantLayout, dequantize
 
 try:
@@ -45,8 +46,10 @@ except ImportError:  # no Triton (CPU-only installs): the reference everywhere
     triton = None
 
 DECODE_ROWS = 8  # up to this many rows the fused kernel accumulates with FMAs; more use tensor cores
-# int4 weight -> (its copy in tinygemm's tiled layout, its scales and offsets), made at the weight's first product
+# int4 weight -> (its copy in tinygemm's tiled layout, its scales and offsets), made when that candidate first runs
 _TINYGEMM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# the int4 weights some product chose tinygemm for: their copies stay (a captured graph may read them)
+_TINYGEMM_CHOSEN: weakref.WeakSet = weakref.WeakSet()
 
 
 def quantized_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None = None,
@@ -58,20 +61,27 @@ def quantized_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tens
     if not flat.is_contiguous():
         flat = flat.contiguous()
     rows = flat.shape[0]
-    fp8_gpu = _has_fp8(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    capability = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    fp8_gpu = capability >= (8, 9)
     triton_reads_weight = layout.method != "fp8" or fp8_gpu  # Triton converts float8 e4m3 on sm_89+ only
     candidates = {"dequant": lambda: _dequant_linear(flat, layout, weight, scale, zero, input_scale, bias,
                                                      on_device=triton_reads_weight)}
     if triton_reads_weight:
         candidates["fused"] = lambda: fused_linear(flat, layout, weight, scale, zero, input_scale, bias)
         candidates["split"] = lambda: fused_linear(flat, layout, weight, scale, zero, input_scale, bias, split=True)
-    if _tinygemm_fits(layout, x):
+    if capability >= (8, 0) and _tinygemm_fits(layout, x):
         candidates["tinygemm"] = lambda: _tinygemm_linear(flat, layout, weight, scale, zero, input_scale, bias)
     if (layout.method == "fp8" and fp8_gpu and x.dtype == torch.bfloat16
             and layout.in_features % 16 == 0 and layout.out_features % 16 == 0):
         candidates["scaled_mm"] = lambda: _fp8_scaled_mm(flat, weight, scale, bias)
     key = (layout.method, layout.out_features, layout.in_features, layout.group, x.dtype, _row_bucket(rows))
-    return fastest(key, candidates, "dequant").view(*x.shape[:-1], layout.out_features)
+    out = fastest(key, candidates, "dequant")
+    if weight in _TINYGEMM and weight not in _TINYGEMM_CHOSEN:  # timed, not (yet) chosen: drop its copy
+        if chosen(key) == "tinygemm":
+            _TINYGEMM_CHOSEN.add(weight)
+        else:
+            del _TINYGEMM[weight]
+    return out.view(*x.shape[:-1], layout.out_features)
 
 
 def reference_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None = None,
@@ -155,12 +165,11 @@ def tinygemm_scales_and_zeros(scale: Tensor, zero: Tensor) -> Tensor:
 
 
 def _tinygemm_fits(layout: QuantLayout, x: Tensor) -> bool:
-    """Whether torch's int4 kernel takes this product: a CUDA build with the op, sm_80+, bfloat16 activations, no
-    padded columns, K a multiple of 64 and N of 8."""
+    """Whether torch's int4 kernel takes this product (on sm_80+ GPUs): a torch with the op, bfloat16
+    activations, no padded columns, K a multiple of 64 and N of 8."""
     k = layout.in_features
     return (layout.int4 and x.dtype == torch.bfloat16 and layout.padded_in_features == k and k % 64 == 0
-            and layout.out_features % 8 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm")
-            and torch.cuda.get_device_capability(x.device) >= (8, 0))
+            and layout.out_features % 8 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm"))
 
 
 def _tinygemm_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor,
@@ -200,9 +209,9 @@ def _fp8_scaled_mm(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None
 
 
 @functools.cache
-def _has_fp8(device_index: int) -> bool:
-    """Whether the GPU computes with float8 e4m3 (Ada and Hopper, sm_89 and later)."""
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+def _capability(device_index: int) -> tuple[int, int]:
+    """The GPU's compute capability: float8 e4m3 from (8, 9) (Ada, Hopper), torch's int4 kernel from (8, 0)."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 def _row_bucket(rows: int) -> int:
