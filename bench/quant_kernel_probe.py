@@ -43,24 +43,22 @@ ROWS = (1, 8, 32, 608)
 TINY_SHAPES = {"qkv": (96, 64), "fc2": (40, 100)}
 TINY_ROWS = (1, 9)
 TOP_CONFIGS = 3
+# candidate -> rows -> (dot, split): which autotuned kernel it runs
+TUNED = {"fused": lambda rows: (rows > kernels.DECODE_ROWS, False),
+         "split": lambda rows: (rows > kernels.DECODE_ROWS, True),
+         "fused_mma": lambda rows: (True, False), "split_mma": lambda rows: (True, True)}
 
 
-def candidates(x, layout, tensors, fp8_gpu: bool) -> dict:
-    """The products `quantized_linear` may choose among for this input, by name (`fp8_gpu`: Triton reads FP8
-    weights, true on sm_89+ and in the interpreter; `scaled_mm` on CUDA only)."""
-    weight, scale, zero, input_scale = tensors
-    found = {"dequant": lambda: kernels._dequant_linear(x, layout, *tensors, None, on_device=fp8_gpu or
-                                                        layout.method != "fp8")}
-    if layout.method != "fp8" or fp8_gpu:
-        for name, split in (("fused", False), ("split", True)):
-            # the interpreter cannot autotune (it times nothing): the space's first tile shape there
-            config = None if x.is_cuda else dict(kernels._TUNED_KERNELS[x.shape[0] > kernels.DECODE_ROWS,
-                                                                         split].configs[0].kwargs)
-            found[name] = functools.partial(kernels.fused_linear, x, layout, *tensors, config=config, split=split)
-    if x.is_cuda and kernels._tinygemm_fits(layout, x):
-        found["tinygemm"] = lambda: kernels._tinygemm_linear(x, layout, *tensors, None)
-    if layout.method == "fp8" and fp8_gpu and x.is_cuda and x.dtype == torch.bfloat16:
-        found["scaled_mm"] = lambda: kernels._fp8_scaled_mm(x, weight, scale, None)
+def candidates(x, layout, tensors) -> dict:
+    """The products `quantized_linear` chooses among for this input, by name. Under the interpreter (which cannot
+    autotune: it times nothing) the reference and the fused kernel whole-K and split, at their spaces' first tile
+    shape."""
+    if x.is_cuda:
+        return kernels.candidates(x, layout, *tensors, None, torch.cuda.get_device_capability(x.device))
+    found = {"dequant": functools.partial(kernels.reference_linear, x, layout, *tensors)}
+    for name, split in (("fused", False), ("split", True)):
+        config = dict(kernels._TUNED_KERNELS[x.shape[0] > kernels.DECODE_ROWS, split].configs[0].kwargs)
+        found[name] = functools.partial(kernels.fused_linear, x, layout, *tensors, config=config, split=split)
     return found
 
 
@@ -95,7 +93,7 @@ def _first(times) -> float:
 
 
 def probe_shape(method: str, name: str, n: int, k: int, rows_list, device, dtype, copy_gbps: float,
-                fp8_gpu: bool, generator) -> list[dict]:
+                generator) -> list[dict]:
     layout = QuantLayout.of(QuantConfig(method), n, k)
     weight = torch.randn(n, k, device=device, dtype=dtype, generator=generator) / k**0.5
     channel = torch.rand(k, device=device, generator=generator) + 0.5 if method == "int4_awq" else None
@@ -112,13 +110,13 @@ def probe_shape(method: str, name: str, n: int, k: int, rows_list, device, dtype
                "candidates": {}}
         bf16_weight = weight.to(dtype)
         row["bf16_cublas_ms"] = timed_ms(lambda: F.linear(x, bf16_weight), device)
-        for candidate, run in candidates(x, layout, tensors, fp8_gpu).items():
+        for candidate, run in candidates(x, layout, tensors).items():
             ms = timed_ms(run, device)
             error = ((run().float() - reference).norm() / reference.norm()).item()
             entry = {"ms": ms, "GBps": weight_bytes / ms / 1e6, "copy_fraction": weight_bytes / ms / 1e6 / copy_gbps,
                      "relative_error": error}
-            if candidate in ("fused", "split"):
-                entry["best_configs"] = tuned_configs(rows > kernels.DECODE_ROWS, candidate == "split")
+            if candidate in TUNED:
+                entry["best_configs"] = tuned_configs(*TUNED[candidate](rows))
             row["candidates"][candidate] = entry
         best = min(row["candidates"], key=lambda c: row["candidates"][c]["ms"])
         row["best"], row["best_ms"] = best, row["candidates"][best]["ms"]
@@ -129,7 +127,6 @@ def probe_shape(method: str, name: str, n: int, k: int, rows_list, device, dtype
 def run(tiny: bool, methods: list[str], rows_list: list[int], budget_s: float) -> dict:
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16  # the interpreter's tl.dot lacks bfloat16
-    fp8_gpu = device.type == "cpu" or torch.cuda.get_device_capability() >= (8, 9)
     copy_gbps = copy_bandwidth(device, 1 << 20 if tiny else 1 << 28) * 1e3
     shapes = TINY_SHAPES if tiny else SHAPES
     rows_list = TINY_ROWS if tiny else rows_list
@@ -140,7 +137,7 @@ def run(tiny: bool, methods: list[str], rows_list: list[int], budget_s: float) -
             if time.perf_counter() - start > budget_s:
                 skipped.append(f"{method} {name}")
                 continue
-            results.extend(probe_shape(method, name, n, k, rows_list, device, dtype, copy_gbps, fp8_gpu, generator))
+            results.extend(probe_shape(method, name, n, k, rows_list, device, dtype, copy_gbps, generator))
     return {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (Triton interpreter)",
             "dtype": str(dtype), "copy_GBps": copy_gbps, "rows": list(rows_list), "results": results,
             "skipped_over_budget": skipped, "seconds": time.perf_counter() - start}

@@ -37,7 +37,8 @@ CONFIG = {
 @torch.inference_mode()
 def test_every_candidate_equals_dequantize_then_matmul(method):
     """Within 1e-2 relative error, except `_scaled_mm`, whose activations are rounded to FP8 as well (5e-2). The
-    fused kernel runs one fixed tile shape on every shape, unsplit and with K split in 3 (autotuning each would
+    fused kernel runs one fixed tile shape on every shape, unsplit and with K split in 3, and with tensor-core tiles
+    for a few rows (autotuning each would
     compile for minutes); tinygemm (int4, where this torch has it) its own kernel; the autotuned choice runs on
     LLaVA's shapes at the rows the benchmark uses."""
     generator = torch.Generator("cuda").manual_seed(0)
@@ -58,6 +59,11 @@ def test_every_candidate_equals_dequantize_then_matmul(method):
                 tile = {"BLOCK_N": 16, "BLOCK_K": 256} if rows <= 8 else {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128}
                 outputs["fused"] = kernels.fused_linear(x, layout, *tensors, config=tile)
                 outputs["split"] = kernels.fused_linear(x, layout, *tensors, config=tile | {"SPLIT_K": 3})
+                if 1 < rows <= 8:  # the tensor-core candidates of a few rows
+                    mma = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
+                    outputs["fused_mma"] = kernels.fused_linear(x, layout, *tensors, config=mma, dot=True)
+                    outputs["split_mma"] = kernels.fused_linear(x, layout, *tensors, config=mma | {"SPLIT_K": 2},
+                                                                dot=True)
             if kernels._tinygemm_fits(layout, x):
                 outputs["tinygemm"] = kernels._tinygemm_linear(x, layout, *tensors, None)
             if method == "fp8" and fp8_gpu and n % 16 == 0 and k % 16 == 0:

@@ -77,15 +77,16 @@ def test_decode_kernel_equals_dequantize_then_matmul(kernels, method, shape):
 @pytest.mark.parametrize("method", QUANT_METHODS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_tensor_core_kernel_equals_dequantize_then_matmul(kernels, method, dtype):
-    """More than 8 rows (tl.dot tiles). The interpreter's tl.dot mishandles bfloat16 (numpy has none), so it is
+    """Tensor-core tiles (tl.dot): more than 8 rows, and 3 (the `fused_mma` candidate), whole-K and split. The
+    interpreter's tl.dot mishandles bfloat16 (numpy has none), so it is
     checked here in float32 and float16; tests/test_quant_gpu.py checks bfloat16 on the GPU."""
     for n, k in ((256, 688), (37, 100)):
         layout, stored = _stored(method, n, k, dtype, seed=k)
         bias = torch.randn(n, dtype=dtype)
-        for rows, split in ((9, 1), (40, 1), (40, 3)):
+        for rows, split in ((3, 1), (9, 1), (40, 1), (40, 3)):
             x = torch.randn(rows, k, dtype=dtype, generator=torch.Generator().manual_seed(rows))
             config = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "SPLIT_K": split}
-            out = kernels.fused_linear(x, layout, *_tensors(stored), bias, config=config)
+            out = kernels.fused_linear(x, layout, *_tensors(stored), bias, config=config, dot=True)
             error = relative_error(out, _reference(x, layout, stored, bias))
             assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"{n}x{k}, {rows} rows: {error:.2e}"
 

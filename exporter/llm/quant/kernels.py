@@ -4,8 +4,9 @@ On CUDA (with Triton) each product has candidates, and the first call of each (m
 bucket) times them and keeps the fastest (`gemv.fastest`), so a candidate can only help:
 
 - `fused`: one Triton kernel dequantizes each weight tile in registers and multiplies it, each program one output
-  tile over the whole of K. Up to 8 rows (decode) it accumulates with FMAs; more rows use tensor cores (`tl.dot`).
-  Autotuned per (N, K, group, rows) over a focused space of tile shapes.
+  tile over the whole of K. Up to 8 rows (decode) it accumulates with FMAs; more rows use tensor cores (`tl.dot`),
+  and so do the `fused_mma` / `split_mma` candidates of 2 to 8 rows (rows padded to a 16-row tile). Autotuned per
+  (N, K, group, rows) over a focused space of tile shapes.
 - `split`: the same kernel with K split over SPLIT_K programs per output tile (a decode step or a 32-row batch has
   too few output tiles to keep every SM streaming), each adding its float32 partial sum atomically into a zeroed
   buffer, which is then cast to the activation dtype. SPLIT_K and the tile are autotuned.
@@ -60,28 +61,38 @@ def quantized_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tens
     flat = x.reshape(-1, layout.in_features)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    rows = flat.shape[0]
     capability = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    fp8_gpu = capability >= (8, 9)
-    triton_reads_weight = layout.method != "fp8" or fp8_gpu  # Triton converts float8 e4m3 on sm_89+ only
-    candidates = {"dequant": lambda: _dequant_linear(flat, layout, weight, scale, zero, input_scale, bias,
-                                                     on_device=triton_reads_weight)}
-    if triton_reads_weight:
-        candidates["fused"] = lambda: fused_linear(flat, layout, weight, scale, zero, input_scale, bias)
-        candidates["split"] = lambda: fused_linear(flat, layout, weight, scale, zero, input_scale, bias, split=True)
-    if capability >= (8, 0) and _tinygemm_fits(layout, x):
-        candidates["tinygemm"] = lambda: _tinygemm_linear(flat, layout, weight, scale, zero, input_scale, bias)
-    if (layout.method == "fp8" and fp8_gpu and x.dtype == torch.bfloat16
-            and layout.in_features % 16 == 0 and layout.out_features % 16 == 0):
-        candidates["scaled_mm"] = lambda: _fp8_scaled_mm(flat, weight, scale, bias)
-    key = (layout.method, layout.out_features, layout.in_features, layout.group, x.dtype, _row_bucket(rows))
-    out = fastest(key, candidates, "dequant")
+    found = candidates(flat, layout, weight, scale, zero, input_scale, bias, capability)
+    key = (layout.method, layout.out_features, layout.in_features, layout.group, x.dtype, _row_bucket(flat.shape[0]))
+    out = fastest(key, found, "dequant")
     if weight in _TINYGEMM and weight not in _TINYGEMM_CHOSEN:  # timed, not (yet) chosen: drop its copy
         if chosen(key) == "tinygemm":
             _TINYGEMM_CHOSEN.add(weight)
         else:
             del _TINYGEMM[weight]
     return out.view(*x.shape[:-1], layout.out_features)
+
+
+def candidates(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None,
+               input_scale: Tensor | None, bias: Tensor | None, capability: tuple[int, int]) -> dict:
+    """The equivalent ways to compute the product of `x [M, K]` (contiguous, CUDA) on a GPU of `capability`, by
+    name: what `quantized_linear` times (and `bench/quant_kernel_probe.py`)."""
+    rows, fp8_gpu = x.shape[0], capability >= (8, 9)
+    tensors = (weight, scale, zero, input_scale, bias)
+    triton_reads_weight = layout.method != "fp8" or fp8_gpu  # Triton converts float8 e4m3 on sm_89+ only
+    found = {"dequant": functools.partial(_dequant_linear, x, layout, *tensors, on_device=triton_reads_weight)}
+    if triton_reads_weight:
+        found["fused"] = functools.partial(fused_linear, x, layout, *tensors)
+        found["split"] = functools.partial(fused_linear, x, layout, *tensors, split=True)
+        if 1 < rows <= DECODE_ROWS:  # a few rows: the tensor-core tiles too (rows padded to 16)
+            found["fused_mma"] = functools.partial(fused_linear, x, layout, *tensors, dot=True)
+            found["split_mma"] = functools.partial(fused_linear, x, layout, *tensors, split=True, dot=True)
+    if capability >= (8, 0) and _tinygemm_fits(layout, x):
+        found["tinygemm"] = functools.partial(_tinygemm_linear, x, layout, *tensors)
+    if (layout.method == "fp8" and fp8_gpu and x.dtype == torch.bfloat16
+            and layout.in_features % 16 == 0 and layout.out_features % 16 == 0):
+        found["scaled_mm"] = functools.partial(_fp8_scaled_mm, x, weight, scale, bias)
+    return found
 
 
 def reference_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None = None,
@@ -94,12 +105,13 @@ def reference_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tens
 
 def fused_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None = None,
                  input_scale: Tensor | None = None, bias: Tensor | None = None,
-                 config: dict[str, int] | None = None, split: bool = False) -> Tensor:
+                 config: dict[str, int] | None = None, split: bool = False, dot: bool | None = None) -> Tensor:
     """The fused Triton kernel on `x [M, K]` (contiguous); `split`: K split over several programs per output tile
-    (the `split` candidate). `config` (BLOCK_N, BLOCK_K, BLOCK_M above 8 rows, SPLIT_K when split) runs one tile
-    shape instead of the autotuned choice: for tests, also under `TRITON_INTERPRET=1` on CPU."""
+    (the `split` candidate); `dot`: tensor-core tiles (by default above 8 rows), else FMAs. `config` (BLOCK_N,
+    BLOCK_K, BLOCK_M with `dot`, SPLIT_K when split) runs one tile shape instead of the autotuned choice: for
+    tests, also under `TRITON_INTERPRET=1` on CPU."""
     rows, n, k = x.shape[0], layout.out_features, layout.in_features
-    dot = rows > DECODE_ROWS
+    dot = rows > DECODE_ROWS if dot is None else dot
     split = split or (config or {}).get("SPLIT_K", 1) > 1
     # split partial sums meet in float32 (atomic adds into zeros), cast once at the end
     out = (torch.zeros(rows, n, dtype=torch.float32, device=x.device) if split
@@ -227,28 +239,36 @@ if triton is not None:
         return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
 
     @triton.jit
+    def _nibble(packed, s, z, i: tl.constexpr):
+        """Nibble i of each int32 word, dequantized with the word's scale and zero (float32)."""
+        return (_exact_float((packed >> (4 * i)) & 15, 0.0) - z) * s
+
+    @triton.jit
     def _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4: tl.constexpr, G: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Weight rows `rows` (BLOCK_N of them) x columns `[k0, k0 + BLOCK_K)` in float32; k0 is a multiple of
-        BLOCK_K. int4 (read as int32 words of 8 nibbles) is dequantized with its groups' scales and zeros; int8 and
-        fp8 are unscaled (the per-row scale multiplies the finished product). Columns past the stored ones are 0."""
+        """Weight rows `rows` (BLOCK_N of them) x columns `[k0, k0 + BLOCK_K)` in float32, `[BLOCK_N, BLOCK_K]`;
+        k0 is a multiple of BLOCK_K. int8 and fp8 are unscaled (the per-row scale multiplies the finished
+        product); int4 is dequantized with its groups' scales and zeros. Columns past the stored ones are 0.
+
+        int4 is read as int32 words, column 8w + i being nibble i of word w; each word's scale and zero (its 8
+        nibbles share a group) are loaded once a word, in the words' layout. The 8 nibble tiles are put back in
+        column order by three rounds of `tl.interleave` (each keeps the new pairs within a thread): pairing
+        nibbles 4 apart, then 2 apart, then 1 apart puts nibble 4a + 2b + c at column 8w + 4a + 2b + c."""
         if INT4:
             words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            packed = tl.load(w_ptr + rows[:, None] * W_STRIDE + words[None, :],
-                             mask=row_ok[:, None] & (words < W_STRIDE)[None, :], other=0,
+            word_ok = row_ok[:, None] & (words < W_STRIDE)[None, :]
+            packed = tl.load(w_ptr + rows[:, None] * W_STRIDE + words[None, :], mask=word_ok, other=0,
                              eviction_policy="evict_first")
-            nibbles = (packed[:, :, None] >> (4 * tl.arange(0, 8))[None, None, :]) & 15
-            if BLOCK_K >= G:  # the tile holds whole groups
-                SPAN: tl.constexpr = G
-            else:  # the tile lies inside one group
-                SPAN: tl.constexpr = BLOCK_K
-            q = _exact_float(tl.reshape(nibbles, (BLOCK_N, BLOCK_K // SPAN, SPAN)), 0.0)
-            group = (k0 + tl.arange(0, BLOCK_K // SPAN) * SPAN) // G
+            group = words * 8 // G
             offsets = rows[:, None] * NG + group[None, :]
             group_ok = row_ok[:, None] & (group < NG)[None, :]  # a tile may reach past the last group
             s = tl.load(s_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)
             z = tl.load(z_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)
-            return tl.reshape((q - z[:, :, None]) * s[:, :, None], (BLOCK_N, BLOCK_K))
+            even = tl.interleave(tl.interleave(_nibble(packed, s, z, 0), _nibble(packed, s, z, 4)),
+                                 tl.interleave(_nibble(packed, s, z, 2), _nibble(packed, s, z, 6)))
+            odd = tl.interleave(tl.interleave(_nibble(packed, s, z, 1), _nibble(packed, s, z, 5)),
+                                tl.interleave(_nibble(packed, s, z, 3), _nibble(packed, s, z, 7)))
+            return tl.interleave(even, odd)
         else:
             cols = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_ptr + rows[:, None] * W_STRIDE + cols[None, :],
@@ -286,8 +306,11 @@ if triton is not None:
         token_ok = tokens < M
         dtype = x_ptr.dtype.element_ty
         width = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        ONE_ROW: tl.constexpr = BLOCK_M == 1 and not DOT
         if DOT:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        elif ONE_ROW:  # a 2-D accumulator: the weight tile keeps the layout it is loaded in
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(part * width, tl.minimum(part * width + width, K), BLOCK_K):
@@ -296,10 +319,14 @@ if triton is not None:
             w = _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4, G, BLOCK_N, BLOCK_K)
             if DOT:
                 acc = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
+            elif ONE_ROW:
+                acc += w * x
             else:
                 acc += w[None, :, :] * x[:, None, :]
         if DOT:
             y = acc
+        elif ONE_ROW:
+            y = tl.sum(acc, axis=1)[None, :]
         else:
             y = tl.sum(acc, axis=2)
         if not INT4:
@@ -385,9 +412,11 @@ if triton is not None:
             (4, 1024, 2, 4, 3), (8, 512, 2, 4, 3), (8, 512, 4, 4, 3), (16, 256, 4, 4, 3), (16, 512, 4, 8, 3),
             (32, 128, 4, 4, 4)), fma=True, split=True),
         (True, False): _tuned("quant_mm", (
-            (16, 64, 128, 1, 4, 4), (32, 64, 128, 1, 4, 4), (32, 128, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4),
+            (16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 32, 256, 1, 4, 3), (32, 64, 128, 1, 4, 4),
+            (32, 128, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4),
             (64, 128, 128, 1, 8, 3), (128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3)), fma=False, split=False),
         (True, True): _tuned("quant_mm_split", (
-            (16, 64, 128, 4, 4, 4), (32, 64, 128, 2, 4, 4), (32, 64, 128, 4, 4, 4), (32, 128, 128, 4, 4, 3),
+            (16, 64, 128, 4, 4, 4), (16, 128, 128, 4, 4, 3), (16, 32, 256, 8, 4, 3), (32, 64, 128, 2, 4, 4),
+            (32, 64, 128, 4, 4, 4), (32, 128, 128, 4, 4, 3),
             (64, 64, 128, 2, 4, 3)), fma=False, split=True),
     }
