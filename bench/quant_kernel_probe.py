@@ -156,6 +156,12 @@ def report(summary: dict) -> str:
             chosen = [r for r in summary["results"] if r["method"] == method and r["rows"] == rows]
             lines.append(f"{method} at {rows} rows: one step's products (32 layers' qkv+o+fc1+fc2, lm_head) "
                          f"{_step_ms(chosen):.3f} ms best vs {_step_ms(chosen, 'bf16_cublas_ms'):.3f} ms bf16")
+    errors: dict[str, float] = {}
+    for row in summary["results"]:
+        for name, candidate in row["candidates"].items():
+            errors[name] = max(errors.get(name, 0.0), candidate["relative_error"])
+    lines.append("largest relative error against float32 dequantize-then-matmul: "
+                 + ", ".join(f"{name} {error:.1e}" for name, error in errors.items()))
     if summary["skipped_over_budget"]:
         lines.append(f"not measured (over the time budget): {', '.join(summary['skipped_over_budget'])}")
     lines.append(f"{summary['seconds']:.0f} s")

@@ -134,3 +134,39 @@ def test_fp8_row_quantization_equals_torch(kernels, shape):
     assert scales.shape == (shape[0], 1) and scaled[0, 7] == 448.0
     torch.testing.assert_close(scales, expected_scales, rtol=1e-6, atol=0)
     torch.testing.assert_close(scaled, (x.float() / expected_scales).clamp(-448.0, 448.0), rtol=1e-6, atol=0)
+
+
+# (INT4, weight pointer type, DOT, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K): one-row and 8-row FMA tiles, tensor-core tiles
+HOPPER_CASES = [(True, "*i32", False, 1, 1, 16, 256), (True, "*i32", False, 4, 8, 4, 512),
+                (True, "*i32", True, 2, 32, 64, 128), (False, "*i8", False, 1, 1, 8, 512),
+                (False, "*fp8e4nv", True, 4, 32, 128, 128)]
+
+
+@pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "-".join(map(str, c[:5])))
+def test_kernel_compiles_for_hopper(case):
+    """Compiled for sm_90 without a GPU (Triton's own ptxas): the GPU build, which the interpreter never runs,
+    succeeds; an int4 tile's words keep the layout they are loaded in (no conversion inside the K loop) where the
+    accumulator is 2-D."""
+    if TRITON_INTERPRETED:
+        pytest.skip("compiles in the parent run")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from exporter.llm.quant import kernels
+
+    int4, weight_type, dot, split, block_m, block_n, block_k = case
+    pointers = {"x_ptr": "*bf16", "w_ptr": weight_type, "s_ptr": "*bf16", "z_ptr": "*bf16", "xs_ptr": "*bf16",
+                "b_ptr": "*bf16", "y_ptr": "*fp32" if split > 1 else "*bf16"}
+    sizes = dict.fromkeys(("M", "N", "K", "W_STRIDE", "NG", "M_BUCKET"), "i32")
+    constants = {"INT4": int4, "G": 128 if int4 else 1, "HAS_INPUT_SCALE": int4, "HAS_BIAS": True, "DOT": dot,
+                 "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}
+    signature = pointers | sizes | dict.fromkeys(constants, "constexpr")
+    aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name in ("N", "K", "W_STRIDE")]
+    source = ASTSource(fn=kernels._qlinear_kernel, signature=signature, constexprs=constants,
+                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
+    assert ".entry _qlinear_kernel" in compiled.asm["ptx"]
+    if int4 and (dot or block_m == 1):
+        loop = compiled.asm["ttgir"].split("scf.for", 1)[1].split("scf.yield", 1)[0]
+        assert "xi32" not in "".join(line for line in loop.splitlines() if "convert_layout" in line)

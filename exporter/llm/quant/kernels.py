@@ -7,16 +7,17 @@ bucket) times them and keeps the fastest (`gemv.fastest`), so a candidate can on
   tile over the whole of K. Up to 8 rows (decode) it accumulates with FMAs; more rows use tensor cores (`tl.dot`),
   and so do the `fused_mma` / `split_mma` candidates of 2 to 8 rows (rows padded to a 16-row tile). Autotuned per
   (N, K, group, rows) over a focused space of tile shapes.
-- `split`: the same kernel with K split over SPLIT_K programs per output tile (a decode step or a 32-row batch has
-  too few output tiles to keep every SM streaming), each adding its float32 partial sum atomically into a zeroed
-  buffer, which is then cast to the activation dtype. SPLIT_K and the tile are autotuned.
+- `split` (up to 64 rows): the same kernel with K split over SPLIT_K programs per output tile (a decode step or a
+  32-row batch has too few output tiles to keep every SM streaming), each adding its float32 partial sum
+  atomically into a zeroed buffer, which is then cast to the activation dtype. SPLIT_K and the tile are
+  autotuned.
 - `dequant`: a Triton kernel writes the whole weight in the activation dtype, then cuBLAS multiplies.
 - `tinygemm` (int4 with bfloat16 activations, on CUDA builds of torch that have it): torch's
   `_weight_int4pack_mm` on a copy of the weight repacked into its tiled layout when first timed. The copy is
   dropped if the product chose another candidate, else kept while the weight lives (int4 weights that chose it
   take their bytes twice).
 - `scaled_mm` (FP8 weights on GPUs with FP8, sm_89+): one Triton kernel quantizes the activations to e4m3 per row
-  (amax, scale and cast in one pass over each row) and `torch._scaled_mm` runs the product on FP8 tensor cores
+  (a program a row: its amax, then the scaled values cast) and `torch._scaled_mm` runs the product on FP8 tensor cores
   (per-row activation and per-channel weight scales).
 
 The kernels read int4 weights as int32 words of eight nibbles (nibble i of word w is column 8w + i, the stored
@@ -47,6 +48,7 @@ except ImportError:  # no Triton (CPU-only installs): the reference everywhere
     triton = None
 
 DECODE_ROWS = 8  # up to this many rows the fused kernel accumulates with FMAs; more use tensor cores
+SPLIT_ROWS = 64  # above this many rows the output tiles alone fill the GPU: no split-K candidate
 # int4 weight -> (its copy in tinygemm's tiled layout, its scales and offsets), made when that candidate first runs
 _TINYGEMM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 # the int4 weights some product chose tinygemm for: their copies stay (a captured graph may read them)
@@ -83,7 +85,8 @@ def candidates(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, ze
     found = {"dequant": functools.partial(_dequant_linear, x, layout, *tensors, on_device=triton_reads_weight)}
     if triton_reads_weight:
         found["fused"] = functools.partial(fused_linear, x, layout, *tensors)
-        found["split"] = functools.partial(fused_linear, x, layout, *tensors, split=True)
+        if rows <= SPLIT_ROWS:
+            found["split"] = functools.partial(fused_linear, x, layout, *tensors, split=True)
         if 1 < rows <= DECODE_ROWS:  # a few rows: the tensor-core tiles too (rows padded to 16)
             found["fused_mma"] = functools.partial(fused_linear, x, layout, *tensors, dot=True)
             found["split_mma"] = functools.partial(fused_linear, x, layout, *tensors, split=True, dot=True)
@@ -287,7 +290,8 @@ if triton is not None:
             x = x * tl.load(xs_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         return x
 
-    @triton.jit
+    # the row count and the number of groups are not specialized on (8 or 608 rows, 32 or 86 groups: one compile)
+    @triton.jit(do_not_specialize=["M", "NG", "M_BUCKET"])
     def _qlinear_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, W_STRIDE, NG, M_BUCKET,
                         INT4: tl.constexpr, G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -409,8 +413,8 @@ if triton is not None:
             (2, 1024, 1, 4, 3), (4, 512, 1, 4, 3), (4, 1024, 1, 8, 4), (8, 256, 1, 4, 4), (8, 512, 1, 4, 3),
             (16, 256, 1, 4, 3), (16, 512, 1, 8, 3), (32, 128, 1, 4, 4)), fma=True, split=False),
         (False, True): _tuned("quant_mv_split", (
-            (4, 1024, 2, 4, 3), (8, 512, 2, 4, 3), (8, 512, 4, 4, 3), (16, 256, 4, 4, 3), (16, 512, 4, 8, 3),
-            (32, 128, 4, 4, 4)), fma=True, split=True),
+            (2, 1024, 4, 4, 3), (4, 512, 4, 4, 3), (4, 1024, 2, 4, 3), (8, 512, 2, 4, 3), (8, 512, 4, 4, 3),
+            (16, 256, 4, 4, 3), (16, 512, 4, 8, 3), (32, 128, 4, 4, 4)), fma=True, split=True),
         (True, False): _tuned("quant_mm", (
             (16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 32, 256, 1, 4, 3), (32, 64, 128, 1, 4, 4),
             (32, 128, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4),
