@@ -232,3 +232,26 @@ def test_tinygemm_repacking_stands_for_the_stored_weight(method):
     ours = dequantize(layout, stored["weight"], stored["weight_scale"], stored["weight_zero"])
     assert (theirs - ours).abs().max() <= (offset.abs() * 2.0**-8).max()  # half a bfloat16 step of the offset
     assert (theirs - ours).norm() / ours.norm() < 5e-3
+
+
+def test_a_tinygemm_copy_stays_only_where_a_product_chose_it():
+    """The repacked copy made while timing is dropped when the product chose another candidate, and kept once one
+    product of the weight chose tinygemm (a captured graph may read it), whatever later products choose."""
+    from exporter.llm import gemv
+    from exporter.llm.quant import kernels
+
+    lost, won = torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 8, dtype=torch.uint8)
+    keys = [("int4_wo", 4, 16, 32, torch.bfloat16, rows, "test") for rows in (1, 2, 4)]
+    try:
+        gemv._CHOICES.update({keys[0]: "fused", keys[1]: "tinygemm", keys[2]: "dequant"})
+        kernels._TINYGEMM[lost], kernels._TINYGEMM[won] = ("copy",), ("copy",)
+        kernels._settle_tinygemm_copy(lost, keys[0])
+        assert lost not in kernels._TINYGEMM
+        kernels._settle_tinygemm_copy(won, keys[1])
+        kernels._settle_tinygemm_copy(won, keys[2])
+        assert kernels._TINYGEMM[won] == ("copy",) and won in kernels._TINYGEMM_CHOSEN
+    finally:
+        for key in keys:
+            gemv._CHOICES.pop(key, None)
+        kernels._TINYGEMM.pop(won, None)
+        kernels._TINYGEMM_CHOSEN.pop(won, None)

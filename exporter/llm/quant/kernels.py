@@ -32,11 +32,11 @@ all of it can be captured in CUDA graphs.
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..gemv import chosen, fastest, register_tuned
 from .formats import FP8_MAX, QuantLayout, dequantize
@@ -50,9 +50,10 @@ except ImportError:  # no Triton (CPU-only installs): the reference everywhere
 DECODE_ROWS = 8  # up to this many rows the fused kernel accumulates with FMAs; more use tensor cores
 SPLIT_ROWS = 64  # above this many rows the output tiles alone fill the GPU: no split-K candidate
 # int4 weight -> (its copy in tinygemm's tiled layout, its scales and offsets), made when that candidate first runs
-_TINYGEMM: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-# the int4 weights some product chose tinygemm for: their copies stay (a captured graph may read them)
-_TINYGEMM_CHOSEN: weakref.WeakSet = weakref.WeakSet()
+# (by identity: a tensor's == is elementwise)
+_TINYGEMM = WeakIdKeyDictionary()
+# the int4 weights some product chose tinygemm for (-> True): their copies stay (a captured graph may read them)
+_TINYGEMM_CHOSEN = WeakIdKeyDictionary()
 
 
 def quantized_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None = None,
@@ -67,11 +68,7 @@ def quantized_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tens
     found = candidates(flat, layout, weight, scale, zero, input_scale, bias, capability)
     key = (layout.method, layout.out_features, layout.in_features, layout.group, x.dtype, _row_bucket(flat.shape[0]))
     out = fastest(key, found, "dequant")
-    if weight in _TINYGEMM and weight not in _TINYGEMM_CHOSEN:  # timed, not (yet) chosen: drop its copy
-        if chosen(key) == "tinygemm":
-            _TINYGEMM_CHOSEN.add(weight)
-        else:
-            del _TINYGEMM[weight]
+    _settle_tinygemm_copy(weight, key)
     return out.view(*x.shape[:-1], layout.out_features)
 
 
@@ -185,6 +182,16 @@ def _tinygemm_fits(layout: QuantLayout, x: Tensor) -> bool:
     k = layout.in_features
     return (layout.int4 and x.dtype == torch.bfloat16 and layout.padded_in_features == k and k % 64 == 0
             and layout.out_features % 8 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm"))
+
+
+def _settle_tinygemm_copy(weight: Tensor, key: tuple) -> None:
+    """After the product `key` of `weight`: a tinygemm copy that was made for timing is kept for good if `key`
+    chose tinygemm, else dropped (unless another product of the weight chose it)."""
+    if weight in _TINYGEMM and weight not in _TINYGEMM_CHOSEN:
+        if chosen(key) == "tinygemm":
+            _TINYGEMM_CHOSEN[weight] = True
+        else:
+            del _TINYGEMM[weight]
 
 
 def _tinygemm_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor,
