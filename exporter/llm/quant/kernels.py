@@ -347,7 +347,7 @@ if triton is not None:
                 y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
         out = y_ptr + tokens[:, None] * N + rows[None, :]
         if SPLIT_K > 1:
-            tl.atomic_add(out, y, mask=token_ok[:, None] & row_ok[None, :])
+            tl.atomic_add(out, y, mask=token_ok[:, None] & row_ok[None, :], sem="relaxed")  # sums need no order
         else:
             tl.store(out, y.to(y_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
 
