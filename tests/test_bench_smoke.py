@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
     ("mixed_decode.py", [], "mixed_decode.json", "ms/step"),
     ("moe_bench.py", [], "moe_bench.json", "roofline"),
     ("quant_bench.py", ["--methods", "int8_wo", "int4_awq"], "quant_bench.json", "int4_awq"),
+    ("quant_kernel_probe.py", [], "quant_kernel_probe.json", "quantized kernel probe"),  # Triton's interpreter
     ("paged_bench.py", [], "paged_bench.json", "concurrent requests"),
 ])
 def test_bench_runs_at_its_tiny_shape(tmp_path, script, arguments, json_name, table_line):

@@ -19,7 +19,7 @@ from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.quant import QuantLinear, dequantize, quantize
 from exporter.llm.quant.convert import quantize_decoder_weights
 from exporter.llm.quant.formats import QuantLayout, group_size_for
-from exporter.llm.quant.kernels import quantized_linear
+from exporter.llm.quant.kernels import quantized_linear, tinygemm_nibbles, tinygemm_scales_and_zeros
 from support.decoders import make_tiny_gpt_weights
 from support.demo import DEMO_NEMO
 
@@ -211,3 +211,47 @@ def test_mixture_of_experts_is_refused_with_a_clear_error():
     config = dataclasses.replace(_tiny("int8_wo")[1], quantization=None, bias=False, num_moe_experts=4)
     with pytest.raises(ValueError, match="mixtures of 4 experts; export it without quantization"):
         quantize_decoder_weights(config, {}, QuantConfig("int8_wo"))
+
+
+@pytest.mark.parametrize("method", ["int4_wo", "int4_awq"])
+def test_tinygemm_repacking_stands_for_the_stored_weight(method):
+    """The `tinygemm` candidate's inputs, unpacked as torch's int4 kernel reads them (even column in the high
+    nibble, weight `(q - 8) * s + o` per group), give `formats.dequantize`'s weight: exactly but for the offsets'
+    one bfloat16 rounding."""
+    n, k = 24, 384
+    generator = torch.Generator().manual_seed(4)
+    layout = QuantLayout.of(QuantConfig(method), n, k)
+    channel = torch.rand(k, generator=generator) + 0.5 if method == "int4_awq" else None
+    stored = quantize((torch.randn(n, k, generator=generator) / 20).to(torch.bfloat16), layout, channel)
+    nibbles = tinygemm_nibbles(stored["weight"])
+    q = torch.stack([nibbles >> 4, nibbles & 15], dim=-1).view(n, k).float()
+    scales_and_offsets = tinygemm_scales_and_zeros(stored["weight_scale"], stored["weight_zero"])
+    assert scales_and_offsets.shape == (layout.groups, n, 2) and scales_and_offsets.dtype == torch.bfloat16
+    scale, offset = (scales_and_offsets[..., i].float().T.repeat_interleave(layout.group, dim=1) for i in (0, 1))
+    theirs = (q - 8) * scale + offset
+    ours = dequantize(layout, stored["weight"], stored["weight_scale"], stored["weight_zero"])
+    assert (theirs - ours).abs().max() <= (offset.abs() * 2.0**-8).max()  # half a bfloat16 step of the offset
+    assert (theirs - ours).norm() / ours.norm() < 5e-3
+
+
+def test_a_tinygemm_copy_stays_only_where_a_product_chose_it():
+    """The repacked copy made while timing is dropped when the product chose another candidate, and kept once one
+    product of the weight chose tinygemm (a captured graph may read it), whatever later products choose."""
+    from exporter.llm import gemv
+    from exporter.llm.quant import kernels
+
+    lost, won = torch.zeros(4, 8, dtype=torch.uint8), torch.zeros(4, 8, dtype=torch.uint8)
+    keys = [("int4_wo", 4, 16, 32, torch.bfloat16, rows, "test") for rows in (1, 2, 4)]
+    try:
+        gemv._CHOICES.update({keys[0]: "fused", keys[1]: "tinygemm", keys[2]: "dequant"})
+        kernels._TINYGEMM[lost], kernels._TINYGEMM[won] = ("copy",), ("copy",)
+        kernels._settle_tinygemm_copy(lost, keys[0])
+        assert lost not in kernels._TINYGEMM
+        kernels._settle_tinygemm_copy(won, keys[1])
+        kernels._settle_tinygemm_copy(won, keys[2])
+        assert kernels._TINYGEMM[won] == ("copy",) and won in kernels._TINYGEMM_CHOSEN
+    finally:
+        for key in keys:
+            gemv._CHOICES.pop(key, None)
+        kernels._TINYGEMM.pop(won, None)
+        kernels._TINYGEMM_CHOSEN.pop(won, None)

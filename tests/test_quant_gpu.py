@@ -37,8 +37,10 @@ CONFIG = {
 @torch.inference_mode()
 def test_every_candidate_equals_dequantize_then_matmul(method):
     """Within 1e-2 relative error, except `_scaled_mm`, whose activations are rounded to FP8 as well (5e-2). The
-    fused kernel runs one fixed tile shape on every shape (autotuning each would compile for minutes); the
-    autotuned choice runs on LLaVA's shapes at the rows the benchmark uses."""
+    fused kernel runs one fixed tile shape on every shape, unsplit and with K split in 3, and with tensor-core tiles
+    for a few rows (autotuning each would
+    compile for minutes); tinygemm (int4, where this torch has it) its own kernel; the autotuned choice runs on
+    LLaVA's shapes at the rows the benchmark uses."""
     generator = torch.Generator("cuda").manual_seed(0)
     fp8_gpu = torch.cuda.get_device_capability() >= (8, 9)
     for n, k in LLAVA + UNALIGNED:
@@ -56,6 +58,14 @@ def test_every_candidate_equals_dequantize_then_matmul(method):
             if method != "fp8" or fp8_gpu:
                 tile = {"BLOCK_N": 16, "BLOCK_K": 256} if rows <= 8 else {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128}
                 outputs["fused"] = kernels.fused_linear(x, layout, *tensors, config=tile)
+                outputs["split"] = kernels.fused_linear(x, layout, *tensors, config=tile | {"SPLIT_K": 3})
+                if 1 < rows <= 8:  # the tensor-core candidates of a few rows
+                    mma = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128}
+                    outputs["fused_mma"] = kernels.fused_linear(x, layout, *tensors, config=mma, dot=True)
+                    outputs["split_mma"] = kernels.fused_linear(x, layout, *tensors, config=mma | {"SPLIT_K": 2},
+                                                                dot=True)
+            if kernels._tinygemm_fits(layout, x):
+                outputs["tinygemm"] = kernels._tinygemm_linear(x, layout, *tensors, None)
             if method == "fp8" and fp8_gpu and n % 16 == 0 and k % 16 == 0:
                 outputs["scaled_mm"] = kernels._fp8_scaled_mm(x, stored["weight"], stored["weight_scale"], None)
             if (n, k) in LLAVA and rows in (1, 32, 608):
@@ -64,6 +74,23 @@ def test_every_candidate_equals_dequantize_then_matmul(method):
                 limit = 5e-2 if name in ("scaled_mm", "chosen") and method == "fp8" else 1e-2
                 error = relative_error(out, reference)
                 assert error < limit, f"{name}: {n}x{k}, {rows} rows: relative error {error:.2e}"
+
+
+@torch.inference_mode()
+def test_fp8_row_quantization_rounds_as_torch():
+    """The fused per-row amax + scale + e4m3 cast on the GPU equals the same steps in torch (both round to
+    nearest), on LLaVA's input widths and an unaligned one."""
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("float8 e4m3 needs sm_89+")
+    generator = torch.Generator("cuda").manual_seed(1)
+    for rows, k in ((1, 4096), (608, 4096), (32, 11008), (3, 1000)):
+        x = torch.randn(rows, k, device="cuda", generator=generator, dtype=torch.bfloat16) * 3
+        quantized, scales = kernels.quantize_rows_fp8(x)
+        expected_scales = x.float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 448.0
+        expected = (x.float() / expected_scales).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        torch.testing.assert_close(scales, expected_scales, rtol=1e-6, atol=0)
+        mismatched = (quantized.float() != expected.float()).float().mean().item()
+        assert mismatched < 1e-3, f"{rows}x{k}: {mismatched:.2%} of the values differ"
 
 
 def _decoder(method: str, device: str, dtype: torch.dtype, quantized_from: torch.dtype = torch.float32) -> Decoder:

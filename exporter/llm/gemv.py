@@ -59,6 +59,11 @@ def fastest(key: tuple, candidates: Mapping[str, Callable[[], Tensor]], default:
     return candidates[choice]()
 
 
+def chosen(key: tuple) -> str | None:
+    """The candidate `fastest` runs for `key` on this device, once it has chosen one (None before)."""
+    return _CHOICES.get(key)
+
+
 def _measure(run: Callable[[], Tensor]) -> float:
     """Milliseconds one run takes on the GPU."""
     return triton.testing.do_bench(run, warmup=10, rep=40)

@@ -3,12 +3,26 @@
 On CUDA (with Triton) each product has candidates, and the first call of each (method, weight shape, dtype, row
 bucket) times them and keeps the fastest (`gemv.fastest`), so a candidate can only help:
 
-- `fused`: one Triton kernel dequantizes each weight tile in registers and multiplies it. Up to 8 rows (decode)
-  it accumulates with FMAs, streaming the weight at memory speed; more rows use tensor cores (`tl.dot`). Autotuned
-  per (N, K, group, rows) over a wide space of tile shapes.
+- `fused`: one Triton kernel dequantizes each weight tile in registers and multiplies it, each program one output
+  tile over the whole of K. Up to 8 rows (decode) it accumulates with FMAs; more rows use tensor cores (`tl.dot`),
+  and so do the `fused_mma` / `split_mma` candidates of 2 to 8 rows (rows padded to a 16-row tile). Autotuned per
+  (N, K, group, rows) over a focused space of tile shapes.
+- `split` (up to 64 rows): the same kernel with K split over SPLIT_K programs per output tile (a decode step or a
+  32-row batch has too few output tiles to keep every SM streaming), each adding its float32 partial sum
+  atomically into a zeroed buffer, which is then cast to the activation dtype. SPLIT_K and the tile are
+  autotuned.
 - `dequant`: a Triton kernel writes the whole weight in the activation dtype, then cuBLAS multiplies.
-- `scaled_mm` (FP8 weights on GPUs with FP8, sm_89+): activations are quantized to e4m3 per row on the fly and
-  `torch._scaled_mm` runs the product on FP8 tensor cores (per-row activation and per-channel weight scales).
+- `tinygemm` (int4 with bfloat16 activations, on CUDA builds of torch that have it): torch's
+  `_weight_int4pack_mm` on a copy of the weight repacked into its tiled layout when first timed. The copy is
+  dropped if the product chose another candidate, else kept while the weight lives (int4 weights that chose it
+  take their bytes twice).
+- `scaled_mm` (FP8 weights on GPUs with FP8, sm_89+): one Triton kernel quantizes the activations to e4m3 per row
+  (a program a row: its amax, then the scaled values cast) and `torch._scaled_mm` runs the product on FP8 tensor cores
+  (per-row activation and per-channel weight scales).
+
+The kernels read int4 weights as int32 words of eight nibbles (nibble i of word w is column 8w + i, the stored
+byte order), and turn int4 and int8 values into floats with exponent bit tricks (an OR and a subtraction, exact)
+rather than conversion instructions, which run at a fraction of the FMA rate.
 
 Everywhere else (CPU, no Triton) the reference runs: `formats.dequantize`, then `F.linear`. Nothing here syncs
 with the host once a key's choice is made (made outside graph capture: the capture's warm-up runs come first), so
@@ -22,8 +36,9 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
 
-from ..gemv import fastest, register_tuned
+from ..gemv import chosen, fastest, register_tuned
 from .formats import FP8_MAX, QuantLayout, dequantize
 
 try:
@@ -33,6 +48,12 @@ except ImportError:  # no Triton (CPU-only installs): the reference everywhere
     triton = None
 
 DECODE_ROWS = 8  # up to this many rows the fused kernel accumulates with FMAs; more use tensor cores
+SPLIT_ROWS = 64  # above this many rows the output tiles alone fill the GPU: no split-K candidate
+# int4 weight -> (its copy in tinygemm's tiled layout, its scales and offsets), made when that candidate first runs
+# (by identity: a tensor's == is elementwise)
+_TINYGEMM = WeakIdKeyDictionary()
+# the int4 weights some product chose tinygemm for (-> True): their copies stay (a captured graph may read them)
+_TINYGEMM_CHOSEN = WeakIdKeyDictionary()
 
 
 def quantized_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None = None,
@@ -43,18 +64,35 @@ def quantized_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tens
     flat = x.reshape(-1, layout.in_features)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    rows = flat.shape[0]
-    fp8_gpu = _has_fp8(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    capability = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    found = candidates(flat, layout, weight, scale, zero, input_scale, bias, capability)
+    key = (layout.method, layout.out_features, layout.in_features, layout.group, x.dtype, _row_bucket(flat.shape[0]))
+    out = fastest(key, found, "dequant")
+    _settle_tinygemm_copy(weight, key)
+    return out.view(*x.shape[:-1], layout.out_features)
+
+
+def candidates(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None,
+               input_scale: Tensor | None, bias: Tensor | None, capability: tuple[int, int]) -> dict:
+    """The equivalent ways to compute the product of `x [M, K]` (contiguous, CUDA) on a GPU of `capability`, by
+    name: what `quantized_linear` times (and `bench/quant_kernel_probe.py`)."""
+    rows, fp8_gpu = x.shape[0], capability >= (8, 9)
+    tensors = (weight, scale, zero, input_scale, bias)
     triton_reads_weight = layout.method != "fp8" or fp8_gpu  # Triton converts float8 e4m3 on sm_89+ only
-    candidates = {"dequant": lambda: _dequant_linear(flat, layout, weight, scale, zero, input_scale, bias,
-                                                     on_device=triton_reads_weight)}
+    found = {"dequant": functools.partial(_dequant_linear, x, layout, *tensors, on_device=triton_reads_weight)}
     if triton_reads_weight:
-        candidates["fused"] = lambda: fused_linear(flat, layout, weight, scale, zero, input_scale, bias)
+        found["fused"] = functools.partial(fused_linear, x, layout, *tensors)
+        if rows <= SPLIT_ROWS:
+            found["split"] = functools.partial(fused_linear, x, layout, *tensors, split=True)
+        if 1 < rows <= DECODE_ROWS:  # a few rows: the tensor-core tiles too (rows padded to 16)
+            found["fused_mma"] = functools.partial(fused_linear, x, layout, *tensors, dot=True)
+            found["split_mma"] = functools.partial(fused_linear, x, layout, *tensors, split=True, dot=True)
+    if capability >= (8, 0) and _tinygemm_fits(layout, x):
+        found["tinygemm"] = functools.partial(_tinygemm_linear, x, layout, *tensors)
     if (layout.method == "fp8" and fp8_gpu and x.dtype == torch.bfloat16
             and layout.in_features % 16 == 0 and layout.out_features % 16 == 0):
-        candidates["scaled_mm"] = lambda: _fp8_scaled_mm(flat, weight, scale, bias)
-    key = (layout.method, layout.out_features, layout.in_features, layout.group, x.dtype, _row_bucket(rows))
-    return fastest(key, candidates, "dequant").view(*x.shape[:-1], layout.out_features)
+        found["scaled_mm"] = functools.partial(_fp8_scaled_mm, x, weight, scale, bias)
+    return found
 
 
 def reference_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None = None,
@@ -67,28 +105,37 @@ def reference_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tens
 
 def fused_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None = None,
                  input_scale: Tensor | None = None, bias: Tensor | None = None,
-                 config: dict[str, int] | None = None) -> Tensor:
-    """The fused Triton kernel on `x [M, K]` (contiguous). `config` (BLOCK_N, BLOCK_K, and BLOCK_M above 8 rows)
-    runs one tile shape instead of the autotuned choice: for tests, also under `TRITON_INTERPRET=1` on CPU."""
+                 config: dict[str, int] | None = None, split: bool = False, dot: bool | None = None) -> Tensor:
+    """The fused Triton kernel on `x [M, K]` (contiguous); `split`: K split over several programs per output tile
+    (the `split` candidate); `dot`: tensor-core tiles (by default above 8 rows), else FMAs. `config` (BLOCK_N,
+    BLOCK_K, BLOCK_M with `dot`, SPLIT_K when split) runs one tile shape instead of the autotuned choice: for
+    tests, also under `TRITON_INTERPRET=1` on CPU."""
     rows, n, k = x.shape[0], layout.out_features, layout.in_features
-    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    dot = rows > DECODE_ROWS
+    dot = rows > DECODE_ROWS if dot is None else dot
+    split = split or (config or {}).get("SPLIT_K", 1) > 1
+    # split partial sums meet in float32 (atomic adds into zeros), cast once at the end
+    out = (torch.zeros(rows, n, dtype=torch.float32, device=x.device) if split
+           else torch.empty(rows, n, dtype=x.dtype, device=x.device))
     arguments = dict(
         INT4=layout.int4, G=layout.group or 1, HAS_INPUT_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
         DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if not dot:
         arguments["BLOCK_M"] = triton.next_power_of_2(rows)
+    if not split:
+        arguments["SPLIT_K"] = 1
+    weight = _weight_words(layout, weight)
     dummy = scale
     tensors = (x, weight, scale, dummy if zero is None else zero, dummy if input_scale is None else input_scale,
                dummy if bias is None else bias, out)
     sizes = (rows, n, k, weight.shape[1], layout.groups, _row_bucket(rows))
     if config is None:
-        kernel = _tuned_mm_kernel if dot else _tuned_mv_kernel
+        kernel = _TUNED_KERNELS[dot, split]
     else:
         kernel, arguments = _qlinear_kernel, arguments | config
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]))  # noqa: E731
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]),  # noqa: E731
+                         meta["SPLIT_K"])
     kernel[grid](*tensors, *sizes, **arguments)
-    return out
+    return out.to(x.dtype) if split else out
 
 
 def dequantize_on_device(layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None,
@@ -96,11 +143,75 @@ def dequantize_on_device(layout: QuantLayout, weight: Tensor, scale: Tensor, zer
     """`formats.dequantize` as one Triton kernel (CUDA, or CPU under `TRITON_INTERPRET=1`)."""
     n, k = layout.out_features, layout.in_features
     out = torch.empty(n, k, dtype=dtype, device=weight.device)
-    block_n, block_k = 32, layout.group or 256  # an int4 tile is one group
+    weight = _weight_words(layout, weight)
+    block_n, block_k = 16, 512  # wide rows: contiguous stores, and several int4 groups a tile
     _dequantize_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
         weight, scale, scale if zero is None else zero, out, n, k, weight.shape[1], layout.groups,
-        INT4=layout.int4, G=layout.group or 1, BLOCK_N=block_n, BLOCK_K=block_k)
+        INT4=layout.int4, G=layout.group or 1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
     return out
+
+
+def quantize_rows_fp8(x: Tensor, dtype: torch.dtype = torch.float8_e4m3fn) -> tuple[Tensor, Tensor]:
+    """`x [M, K]` (contiguous) as float8 e4m3 with one float32 scale a row (`x ~ q * scale`, scale = the row's
+    absolute maximum / 448): one Triton kernel, a program a row. `dtype` float32 keeps the scaled values
+    unrounded (Triton's interpreter casts to e4m3 inexactly, so CPU checks look at the values before the cast)."""
+    rows, k = x.shape
+    quantized = torch.empty(rows, k, dtype=dtype, device=x.device)
+    scales = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
+    _fp8_rows_kernel[(rows,)](x, quantized, scales, k, FP8_MAX, BLOCK=min(2048, triton.next_power_of_2(k)),
+                              num_warps=4)
+    return quantized, scales
+
+
+def tinygemm_nibbles(weight: Tensor) -> Tensor:
+    """Our packed int4 bytes (even column in the low nibble) in the order `_convert_weight_to_int4pack` takes on
+    CUDA (even column in the high nibble)."""
+    return (weight << 4) | (weight >> 4)
+
+
+def tinygemm_scales_and_zeros(scale: Tensor, zero: Tensor) -> Tensor:
+    """`[groups, N, 2]` bfloat16 scales and offsets for `_weight_int4pack_mm`, whose weight is `(q - 8) * s + o`:
+    ours is `(q - z) * s`, so `o = (8 - z) * s` (computed in float32, rounded once)."""
+    s = scale.float()
+    return torch.stack([s, (8.0 - zero.float()) * s], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+
+
+def _tinygemm_fits(layout: QuantLayout, x: Tensor) -> bool:
+    """Whether torch's int4 kernel takes this product (on sm_80+ GPUs): a torch with the op, bfloat16
+    activations, no padded columns, K a multiple of 64 and N of 8."""
+    k = layout.in_features
+    return (layout.int4 and x.dtype == torch.bfloat16 and layout.padded_in_features == k and k % 64 == 0
+            and layout.out_features % 8 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm"))
+
+
+def _settle_tinygemm_copy(weight: Tensor, key: tuple) -> None:
+    """After the product `key` of `weight`: a tinygemm copy that was made for timing is kept for good if `key`
+    chose tinygemm, else dropped (unless another product of the weight chose it)."""
+    if weight in _TINYGEMM and weight not in _TINYGEMM_CHOSEN:
+        if chosen(key) == "tinygemm":
+            _TINYGEMM_CHOSEN[weight] = True
+        else:
+            del _TINYGEMM[weight]
+
+
+def _tinygemm_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor,
+                     input_scale: Tensor | None, bias: Tensor | None) -> Tensor:
+    packed = _TINYGEMM.get(weight)
+    if packed is None:
+        inner_k_tiles = next(tiles for tiles in (8, 4, 2) if layout.in_features % (tiles * 16) == 0)
+        packed = _TINYGEMM[weight] = (
+            torch.ops.aten._convert_weight_to_int4pack(tinygemm_nibbles(weight).contiguous(), inner_k_tiles),
+            tinygemm_scales_and_zeros(scale, zero))
+    if input_scale is not None:
+        x = x * input_scale
+    out = torch.ops.aten._weight_int4pack_mm(x, packed[0], layout.group, packed[1])
+    return out if bias is None else out + bias
+
+
+def _weight_words(layout: QuantLayout, weight: Tensor) -> Tensor:
+    """The weight as the kernels read it: int4 bytes as int32 words (K is padded to whole groups of at least 32
+    columns, so a row is whole words), other methods as stored."""
+    return weight.view(torch.int32) if layout.int4 else weight
 
 
 def _dequant_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None,
@@ -114,16 +225,15 @@ def _dequant_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tenso
 
 
 def _fp8_scaled_mm(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
-    x_scale = x.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / FP8_MAX
-    x_fp8 = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    x_fp8, x_scale = quantize_rows_fp8(x)
     out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=scale.float()[None, :], out_dtype=x.dtype)
     return out if bias is None else out + bias
 
 
 @functools.cache
-def _has_fp8(device_index: int) -> bool:
-    """Whether the GPU computes with float8 e4m3 (Ada and Hopper, sm_89 and later)."""
-    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+def _capability(device_index: int) -> tuple[int, int]:
+    """The GPU's compute capability: float8 e4m3 from (8, 9) (Ada, Hopper), torch's int4 kernel from (8, 0)."""
+    return torch.cuda.get_device_capability(device_index)
 
 
 def _row_bucket(rows: int) -> int:
@@ -134,28 +244,49 @@ def _row_bucket(rows: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _int4_tiles(w_ptr, s_ptr, z_ptr, rows, row_ok, k, W_STRIDE, NG, G: tl.constexpr, SUB: tl.constexpr):
-        """Weight rows `rows` x columns `[k, k + SUB)`, inside one group (SUB <= G), dequantized to float32 and
-        split by parity: the even columns (low nibbles) and the odd ones (high nibbles), each `[rows, SUB // 2]`.
-        The group's scale and zero are one value a row, broadcast along the columns."""
-        half = k // 2 + tl.arange(0, SUB // 2)
-        packed = tl.load(w_ptr + rows[:, None] * W_STRIDE + half[None, :],
-                         mask=row_ok[:, None] & (half < W_STRIDE)[None, :], other=0, eviction_policy="evict_first")
-        group = k // G + 0 * rows  # the group of every row (a vector, for the mask)
-        offsets = rows * NG + group
-        group_ok = row_ok & (group < NG)  # a tile may reach past the last group
-        s = tl.load(s_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)[:, None]
-        z = tl.load(z_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)[:, None]
-        low = ((packed & 15).to(tl.float32) - z) * s
-        high = ((packed >> 4).to(tl.float32) - z) * s
-        return low, high
+    def _exact_float(v, OFFSET: tl.constexpr):
+        """`v - OFFSET` as float32 for int32 `v` in [0, 2**23): v is put in the mantissa of 2**23 (exact)."""
+        return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
 
     @triton.jit
-    def _channel_tile(w_ptr, rows, row_ok, cols, col_ok, W_STRIDE):
-        """Weight rows `rows` x columns `cols` of an int8 or fp8 weight in float32, unscaled (the per-row scale
-        multiplies the finished product)."""
-        return tl.load(w_ptr + rows[:, None] * W_STRIDE + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                       other=0.0, eviction_policy="evict_first").to(tl.float32)
+    def _nibble(packed, s, z, i: tl.constexpr):
+        """Nibble i of each int32 word, dequantized with the word's scale and zero (float32)."""
+        return (_exact_float((packed >> (4 * i)) & 15, 0.0) - z) * s
+
+    @triton.jit
+    def _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4: tl.constexpr, G: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Weight rows `rows` (BLOCK_N of them) x columns `[k0, k0 + BLOCK_K)` in float32, `[BLOCK_N, BLOCK_K]`;
+        k0 is a multiple of BLOCK_K. int8 and fp8 are unscaled (the per-row scale multiplies the finished
+        product); int4 is dequantized with its groups' scales and zeros. Columns past the stored ones are 0.
+
+        int4 is read as int32 words, column 8w + i being nibble i of word w; each word's scale and zero (its 8
+        nibbles share a group) are loaded once a word, in the words' layout. The 8 nibble tiles are put back in
+        column order by three rounds of `tl.interleave` (each keeps the new pairs within a thread): pairing
+        nibbles 4 apart, then 2 apart, then 1 apart puts nibble 4a + 2b + c at column 8w + 4a + 2b + c."""
+        if INT4:
+            words = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            word_ok = row_ok[:, None] & (words < W_STRIDE)[None, :]
+            packed = tl.load(w_ptr + rows[:, None] * W_STRIDE + words[None, :], mask=word_ok, other=0,
+                             eviction_policy="evict_first")
+            group = words * 8 // G
+            offsets = rows[:, None] * NG + group[None, :]
+            group_ok = row_ok[:, None] & (group < NG)[None, :]  # a tile may reach past the last group
+            s = tl.load(s_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_ptr + offsets, mask=group_ok, other=0.0).to(tl.float32)
+            even = tl.interleave(tl.interleave(_nibble(packed, s, z, 0), _nibble(packed, s, z, 4)),
+                                 tl.interleave(_nibble(packed, s, z, 2), _nibble(packed, s, z, 6)))
+            odd = tl.interleave(tl.interleave(_nibble(packed, s, z, 1), _nibble(packed, s, z, 5)),
+                                tl.interleave(_nibble(packed, s, z, 3), _nibble(packed, s, z, 7)))
+            return tl.interleave(even, odd)
+        else:
+            cols = k0 + tl.arange(0, BLOCK_K)
+            w = tl.load(w_ptr + rows[:, None] * W_STRIDE + cols[None, :],
+                        mask=row_ok[:, None] & (cols < W_STRIDE)[None, :], other=0.0, eviction_policy="evict_first")
+            if w.dtype == tl.int8:  # x + 128 as an unsigned byte, into the mantissa
+                return _exact_float((w.to(tl.uint8, bitcast=True) ^ 128).to(tl.int32), 128.0)
+            else:
+                return w.to(tl.float32)
 
     @triton.jit
     def _activations(x_ptr, xs_ptr, tokens, token_ok, cols, col_ok, K, HAS_INPUT_SCALE: tl.constexpr):
@@ -166,65 +297,59 @@ if triton is not None:
             x = x * tl.load(xs_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         return x
 
-    @triton.jit
+    # the row count and the number of groups are not specialized on (8 or 608 rows, 32 or 86 groups: one compile)
+    @triton.jit(do_not_specialize=["M", "NG", "M_BUCKET"])
     def _qlinear_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, W_STRIDE, NG, M_BUCKET,
                         INT4: tl.constexpr, G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
-        """y[m, n] = sum_k x[m, k] (* xs[k]) W[n, k] (+ b[n]) for a BLOCK_M x BLOCK_N tile, in float32.
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+        """y[m, n] = sum_k x[m, k] (* xs[k]) W[n, k] (+ b[n]) for a BLOCK_M x BLOCK_N tile, in float32, over the
+        program's slice of K (axis 2 of the grid: SPLIT_K slices of whole BLOCK_K tiles).
 
         DOT: tensor-core products of each dequantized tile (BLOCK_M >= 16), its operands rounded to the activation
         dtype as the reference's are; otherwise FMAs into a per-thread accumulator reduced once at the end (few
-        rows: the weight read dominates). int4 tiles are multiplied as their even and odd columns. M_BUCKET only
-        keys the autotuning."""
+        rows: the weight read dominates). SPLIT_K > 1 adds the partial sum atomically into y (float32, zeroed; the
+        first slice adds the bias), else stores it in y's dtype. M_BUCKET only keys the autotuning."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        part = tl.program_id(2)
         row_ok = rows < N
         token_ok = tokens < M
         dtype = x_ptr.dtype.element_ty
-        if INT4:  # a tile is taken one group (or one part of a group) at a time: SUB columns
-            if BLOCK_K >= G:
-                SUB: tl.constexpr = G
-            else:
-                SUB: tl.constexpr = BLOCK_K
-            WIDTH: tl.constexpr = SUB // 2
-        else:
-            WIDTH: tl.constexpr = BLOCK_K
+        width = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        ONE_ROW: tl.constexpr = BLOCK_M == 1 and not DOT
         if DOT:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        elif ONE_ROW:  # a 2-D accumulator: the weight tile keeps the layout it is loaded in
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N, WIDTH), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            if INT4:
-                for part in tl.static_range(BLOCK_K // SUB):
-                    k = k0 + part * SUB
-                    even = k + 2 * tl.arange(0, SUB // 2)
-                    x_even = _activations(x_ptr, xs_ptr, tokens, token_ok, even, even < K, K, HAS_INPUT_SCALE)
-                    x_odd = _activations(x_ptr, xs_ptr, tokens, token_ok, even + 1, even + 1 < K, K, HAS_INPUT_SCALE)
-                    low, high = _int4_tiles(w_ptr, s_ptr, z_ptr, rows, row_ok, k, W_STRIDE, NG, G, SUB)
-                    if DOT:
-                        acc = tl.dot(x_even.to(dtype), tl.trans(low.to(dtype)), acc, input_precision=PRECISION)
-                        acc = tl.dot(x_odd.to(dtype), tl.trans(high.to(dtype)), acc, input_precision=PRECISION)
-                    else:
-                        acc += low[None, :, :] * x_even[:, None, :] + high[None, :, :] * x_odd[:, None, :]
+            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(part * width, tl.minimum(part * width + width, K), BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE)
+            w = _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4, G, BLOCK_N, BLOCK_K)
+            if DOT:
+                acc = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
+            elif ONE_ROW:
+                acc += w * x
             else:
-                cols = k0 + tl.arange(0, BLOCK_K)
-                x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE)
-                w = _channel_tile(w_ptr, rows, row_ok, cols, cols < K, W_STRIDE)
-                if DOT:
-                    acc = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
-                else:
-                    acc += w[None, :, :] * x[:, None, :]
+                acc += w[None, :, :] * x[:, None, :]
         if DOT:
             y = acc
+        elif ONE_ROW:
+            y = tl.sum(acc, axis=1)[None, :]
         else:
             y = tl.sum(acc, axis=2)
         if not INT4:
             y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
         if HAS_BIAS:
-            y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + tokens[:, None] * N + rows[None, :], y.to(y_ptr.dtype.element_ty),
-                 mask=token_ok[:, None] & row_ok[None, :])
+            if part == 0:
+                y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        out = y_ptr + tokens[:, None] * N + rows[None, :]
+        if SPLIT_K > 1:
+            tl.atomic_add(out, y, mask=token_ok[:, None] & row_ok[None, :], sem="relaxed")  # sums need no order
+        else:
+            tl.store(out, y.to(y_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
 
     @triton.jit
     def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, W_STRIDE, NG, INT4: tl.constexpr, G: tl.constexpr,
@@ -233,36 +358,38 @@ if triton is not None:
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         k0 = tl.program_id(1) * BLOCK_K
         row_ok = rows < N
-        out_rows = out_ptr + rows[:, None] * K
-        if INT4:  # BLOCK_K <= G: the tile lies inside one group
-            low, high = _int4_tiles(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, G, BLOCK_K)
-            even = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-            tl.store(out_rows + even[None, :], low.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & (even < K)[None, :])
-            tl.store(out_rows + even[None, :] + 1, high.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & (even + 1 < K)[None, :])
-        else:
-            cols = k0 + tl.arange(0, BLOCK_K)
-            w = _channel_tile(w_ptr, rows, row_ok, cols, cols < K, W_STRIDE)
+        w = _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4, G, BLOCK_N, BLOCK_K)
+        if not INT4:
             w = w * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            tl.store(out_rows + cols[None, :], w.to(out_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & (cols < K)[None, :])
+        cols = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + rows[:, None] * K + cols[None, :], w.to(out_ptr.dtype.element_ty),
+                 mask=row_ok[:, None] & (cols < K)[None, :])
+
+    @triton.jit
+    def _fp8_rows_kernel(x_ptr, q_ptr, s_ptr, K, FP8_MAX, BLOCK: tl.constexpr):
+        """One row of x: its absolute maximum, then x / scale in float8 e4m3 and the scale (amax / FP8_MAX)."""
+        row = tl.program_id(0).to(tl.int64) * K
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            amax = tl.maximum(amax, tl.abs(tl.load(x_ptr + row + cols, mask=cols < K, other=0.0).to(tl.float32)))
+        scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FP8_MAX
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            x = tl.load(x_ptr + row + cols, mask=cols < K, other=0.0).to(tl.float32)
+            q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX)  # IEEE division, as torch
+            tl.store(q_ptr + row + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+        tl.store(s_ptr + tl.program_id(0), scale)
 
     def _bench(kernel_call, quantiles):
         return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
 
     def _fits_registers(configs, named_args, **kwargs):
-        """FMA tiles whose accumulator stays within 128 float32 registers a thread at this BLOCK_M (an int4 tile
-        accumulates one group of byte columns at a time), and int4 tiles of at most 8 groups (each group is
-        unrolled)."""
-        rows, group = kwargs.get("BLOCK_M", 1), kwargs.get("G", 1)
-        kept = []
-        for config in configs:
-            block_n, block_k = config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"]
-            width = min(block_k, group) // 2 if kwargs.get("INT4") else block_k
-            if rows * block_n * width <= 128 * 32 * config.num_warps and (not kwargs.get("INT4") or
-                                                                          block_k <= 8 * group):
-                kept.append(config)
+        """FMA tiles whose accumulator (BLOCK_M x BLOCK_N x BLOCK_K float32) stays within 128 registers a
+        thread at this BLOCK_M."""
+        rows = kwargs.get("BLOCK_M", 1)
+        kept = [config for config in configs
+                if rows * config.kwargs["BLOCK_N"] * config.kwargs["BLOCK_K"] <= 128 * 32 * config.num_warps]
         return kept or configs[:1]
 
     def _fits_rows(configs, named_args, **kwargs):
@@ -271,30 +398,36 @@ if triton is not None:
         kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, bucket)]
         return kept or configs[:1]
 
-    _AUTOTUNE_KEY = ["N", "K", "G", "HAS_INPUT_SCALE"]
-    _tuned_mv_kernel = register_tuned("quant_mv", triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
-            for n, k, warps, stages in (
-                (2, 1024, 4, 3), (2, 2048, 8, 3), (4, 512, 4, 3), (4, 1024, 4, 3), (4, 1024, 8, 4), (8, 256, 4, 4),
-                (8, 512, 4, 3), (8, 1024, 8, 3), (16, 256, 4, 3), (16, 256, 8, 4), (16, 512, 8, 3), (32, 128, 4, 4),
-                (32, 256, 8, 3), (64, 128, 8, 3),
-            )
-        ],
-        key=[*_AUTOTUNE_KEY, "BLOCK_M"],
-        prune_configs_by={"early_config_prune": _fits_registers},
-        do_bench=_bench,
-    )(_qlinear_kernel))
-    _tuned_mm_kernel = register_tuned("quant_mm", triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_M": m, "BLOCK_N": n, "BLOCK_K": k}, num_warps=warps, num_stages=stages)
-            for m, n, k, warps, stages in (
-                (16, 64, 128, 4, 4), (16, 128, 128, 4, 3), (32, 64, 128, 4, 4), (32, 128, 128, 4, 3),
-                (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (64, 128, 128, 8, 3), (128, 128, 64, 8, 3),
-                (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
-            )
-        ],
-        key=[*_AUTOTUNE_KEY, "M_BUCKET"],
-        prune_configs_by={"early_config_prune": _fits_rows},
-        do_bench=_bench,
-    )(_qlinear_kernel))
+    def _tuned(name: str, tiles, fma: bool, split: bool):
+        """`_qlinear_kernel` autotuned over `tiles` ((BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) for FMA tiles,
+        with BLOCK_M first for tensor-core ones), registered as `name` with the kernel cache."""
+        configs = []
+        for tile in tiles:
+            *blocks, warps, stages = tile
+            names = ("BLOCK_N", "BLOCK_K", "SPLIT_K") if fma else ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K")
+            values = dict(zip(names, blocks))
+            if not split:
+                values.pop("SPLIT_K", None)
+            configs.append(triton.Config(values, num_warps=warps, num_stages=stages))
+        return register_tuned(name, triton.autotune(
+            configs=configs, key=["N", "K", "G", "HAS_INPUT_SCALE", "BLOCK_M" if fma else "M_BUCKET"],
+            prune_configs_by={"early_config_prune": _fits_registers if fma else _fits_rows},
+            reset_to_zero=["y_ptr"] if split else None, do_bench=_bench)(_qlinear_kernel))
+
+    # (dot, split) -> the autotuned kernel; SPLIT_K is ignored (absent) in the unsplit spaces
+    _TUNED_KERNELS = {
+        (False, False): _tuned("quant_mv", (
+            (2, 1024, 1, 4, 3), (4, 512, 1, 4, 3), (4, 1024, 1, 8, 4), (8, 256, 1, 4, 4), (8, 512, 1, 4, 3),
+            (16, 256, 1, 4, 3), (16, 512, 1, 8, 3), (32, 128, 1, 4, 4)), fma=True, split=False),
+        (False, True): _tuned("quant_mv_split", (
+            (2, 1024, 4, 4, 3), (4, 512, 4, 4, 3), (4, 1024, 2, 4, 3), (8, 512, 2, 4, 3), (8, 512, 4, 4, 3),
+            (16, 256, 4, 4, 3), (16, 512, 4, 8, 3), (32, 128, 4, 4, 4)), fma=True, split=True),
+        (True, False): _tuned("quant_mm", (
+            (16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 32, 256, 1, 4, 3), (32, 64, 128, 1, 4, 4),
+            (32, 128, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4),
+            (64, 128, 128, 1, 8, 3), (128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3)), fma=False, split=False),
+        (True, True): _tuned("quant_mm_split", (
+            (16, 64, 128, 4, 4, 4), (16, 128, 128, 4, 4, 3), (16, 32, 256, 8, 4, 3), (32, 64, 128, 2, 4, 4),
+            (32, 64, 128, 4, 4, 4), (32, 128, 128, 4, 4, 3),
+            (64, 64, 128, 2, 4, 3)), fma=False, split=True),
+    }
