@@ -13,7 +13,7 @@ from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.paged_attention import FP8_DTYPE, PagedBatch, PagedKVCache, paged_attention
 from exporter.runtime.cuda_graphs import Piece
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
-from exporter.runtime.scheduler import Scheduler, generate
+from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, chunk_budget, generate
 from support.decoders import (
     LONG_CONFIG,
     SCHEDULER_VOCAB,
@@ -125,6 +125,40 @@ def test_chunked_prefill_equals_unchunked_while_others_decode(model):
     for ids, handle in handles:
         assert handle.result(timeout=0) == static_greedy(model, _embeds(model, ids), len(handle.result(timeout=0)))
     assert scheduler.prefilled_positions == 5 + 23 + 40 + 9 and scheduler.reused_positions == 0
+
+
+def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_most_the_decode_budget(model):
+    """The chunk policy (``chunk_budget``): alone, a prompt is prefilled ``max_num_tokens`` positions a step; while
+    a row decodes, at most ``DECODE_CHUNK_TOKENS`` (attention cost left out here, so the chunks are the budgets).
+    The tokens stay the static cache's."""
+    assert chunk_budget(600, decoding=False) == 600 and chunk_budget(600, decoding=True) == DECODE_CHUNK_TOKENS
+    assert chunk_budget(100, decoding=True) == 100  # max_num_tokens stays a hard cap
+    scheduler = _scheduler(model, block_size=16, max_num_tokens=600, max_slots=2, max_seq_len=1100)
+    scheduler.key_equivalent = float("inf")
+    steps: list[tuple[int, int]] = []
+    launch = scheduler.forward.launch
+
+    def recording(rows, furthest, pieces=(), *args, **kwargs):
+        steps.append((rows, sum(len(piece.embeds) for piece in pieces)))
+        return launch(rows, furthest, pieces, *args, **kwargs)
+
+    scheduler.forward.launch = recording
+    alone = random_ids(30, 1000)
+    handle = scheduler.submit(_embeds(model, alone), alone, SamplingParams(max_output_len=3))
+    run_until_idle(scheduler)
+    assert [chunk for rows, chunk in steps if chunk] == [600, 400]
+    assert handle.result(timeout=0) == static_greedy(model, _embeds(model, alone), 3)
+
+    steps.clear()
+    short = random_ids(31, 10)
+    decoding = scheduler.submit(_embeds(model, short), short, SamplingParams(max_output_len=40))
+    scheduler.step()
+    beside = random_ids(32, 1000)
+    late = scheduler.submit(_embeds(model, beside), beside, SamplingParams(max_output_len=3))
+    run_until_idle(scheduler)
+    assert [chunk for rows, chunk in steps if chunk and rows] == [256, 256, 256, 232]
+    assert late.result(timeout=0) == static_greedy(model, _embeds(model, beside), 3)
+    assert decoding.result(timeout=0) == static_greedy(model, _embeds(model, short), 40)
 
 
 def test_a_16k_position_prompt_through_chunks_equals_the_static_cache(model):

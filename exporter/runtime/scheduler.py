@@ -7,8 +7,8 @@ first served while rows and blocks are free; the others wait. A prompt whose lea
 already computed (same token ids and media, see ``prefix``) takes those blocks instead of computing them.
 
 Each iteration (``step``) admits waiting requests, queues one forward that holds a decode token for every
-decoding row and a chunk of the admitted prompts (at most ``max_num_tokens`` prompt positions, so a long prompt
-is prefilled over several steps while the others keep decoding), chooses the first tokens of the prompts that
+decoding row and a chunk of the admitted prompts (at most ``max_num_tokens`` prompt positions, and fewer while rows
+decode, ``chunk_budget``, so a long prompt is prefilled over several steps while the others keep decoding), chooses the first tokens of the prompts that
 chunk completed, and then reads back what the iteration before queued: each request takes its token (a beam search
 its candidates), streams it and finishes, releasing its rows and blocks at once. The decode rows of a step are
 ``[0, bucket)``, the smallest captured batch size that holds every decoding row, so on CUDA each step replays a CUDA
@@ -178,6 +178,10 @@ class _Launched:
 
 
 DEFAULT_MAX_NUM_TOKENS = 512
+# A step's prompt chunk beside decoding rows: its matrix products are compute-bound (a 7B model: ~14 GFLOP a
+# position, ~6 ms for 256 positions on an H100 at ~600 TFLOP/s, about what a 16-row decode step takes), so the
+# decoding rows' step stays within ~1.8x a plain decode step while a long prompt still moves at ~256 positions a step.
+DECODE_CHUNK_TOKENS = 256
 
 
 class Scheduler:
@@ -187,7 +191,8 @@ class Scheduler:
     Drive it with ``step()`` from one thread, or ``start()`` a background loop and ``submit`` from any thread.
     Callbacks run on the stepping thread; a callback that raises ends its own request with that error.
     ``max_beam_width`` is the widest beam search served (at most ``max_slots``). ``max_num_tokens`` caps the prompt
-    positions one step prefills (weighted by the keys they attend to, see ``chunk_cost``). ``kv_cache_scales``
+    positions one step prefills (weighted by the keys they attend to, see ``chunk_cost``; beside decoding rows at
+    most ``DECODE_CHUNK_TOKENS``, see ``chunk_budget``). ``kv_cache_scales``
     ``[layers, 2, kv_heads]`` sets a float8 cache's scales (default: calibrated on token embeddings).
     ``decode_steps`` counts the decode steps launched and ``steps_queued_ahead`` those launched while the step
     before was still unread; ``prefilled_positions`` the prompt positions computed and ``reused_positions`` those
@@ -355,7 +360,7 @@ class Scheduler:
         self._iteration += 1
         self._admit()
         decoding = [request for request in self._requests() if request.decoding]
-        pieces = self._plan_chunk()
+        pieces = self._plan_chunk(chunk_budget(self.max_num_tokens, bool(decoding)))
         if decoding or pieces:
             self._launch(decoding, pieces)
         while self._inflight and (self._inflight[0].iteration < self._iteration or not (decoding or pieces)):
@@ -493,26 +498,26 @@ class Scheduler:
                                        for ids in (targets, sources)))
         return _Running(handle, row, search, seed, blocks, prefilled=reused, registered=blocks.reused)
 
-    def _plan_chunk(self) -> list[tuple[_Running, Piece]]:
-        """The next pieces of the admitted prompts, in admission order, within ``max_num_tokens`` (the attention
-        to earlier positions counted in, ``chunk_cost``; a piece keeps at least an eighth of it, so that a long
-        prompt moves on) and ``MAX_PIECES``."""
-        budget = float(self.max_num_tokens)
-        smallest = max(1, self.max_num_tokens // 8)
+    def _plan_chunk(self, budget: int) -> list[tuple[_Running, Piece]]:
+        """The next pieces of the admitted prompts, in admission order, within ``budget`` prompt positions (the
+        attention to earlier positions counted in, ``chunk_cost``; a piece keeps at least an eighth of it, so that a
+        long prompt moves on) and ``MAX_PIECES``."""
+        smallest = max(1, budget // 8)
+        remaining = float(budget)
         pieces = []
         for request in list(self.prefilling):
             if request.handle.cancelled:
                 self.prefilling.remove(request)
                 self._release(request)
                 continue
-            if len(pieces) == MAX_PIECES or budget < 1:
+            if len(pieces) == MAX_PIECES or remaining < 1:
                 break
             prompt = request.handle.prompt
             start = request.prefilled
-            count = min(len(prompt) - start, int(budget))
-            while count > smallest and chunk_cost(count, start, self.key_equivalent) > budget:
-                count = max(smallest, int(count * budget / chunk_cost(count, start, self.key_equivalent)))
-            budget -= chunk_cost(count, start, self.key_equivalent)
+            count = min(len(prompt) - start, int(remaining))
+            while count > smallest and chunk_cost(count, start, self.key_equivalent) > remaining:
+                count = max(smallest, int(count * remaining / chunk_cost(count, start, self.key_equivalent)))
+            remaining -= chunk_cost(count, start, self.key_equivalent)
             pieces.append((request, Piece(prompt[start:start + count], start, request.blocks.tables[0],
                                           request.handle.adapter)))
         return pieces
@@ -637,6 +642,14 @@ class Scheduler:
             handle.beams = request.search.results()
             handle.tokens = handle.beams[0] if handle.beams else []
         handle._finish(error)
+
+
+def chunk_budget(max_num_tokens: int, decoding: bool) -> int:
+    """The prompt positions (``chunk_cost`` units) one step prefills: ``max_num_tokens`` when no row is decoding
+    (a lone prompt takes the biggest chunks, the fastest prefill), at most ``DECODE_CHUNK_TOKENS`` beside decoding
+    rows (so that their step, hence their time per token, grows by a bounded share). ``max_num_tokens`` is a hard
+    cap either way."""
+    return min(max_num_tokens, DECODE_CHUNK_TOKENS) if decoding else max_num_tokens
 
 
 def chunk_cost(count: int, start: int, key_equivalent: float) -> float:
