@@ -3,7 +3,11 @@
 The cache of one layer is `k, v [blocks, block_size, kv_heads, head_dim]`; a row's key at position `p` sits in block
 `tables[row, p // block_size]` at offset `p % block_size`. Both kernels read each row's block table and lengths
 from tensors (no host value), so they can be captured in CUDA graphs, keep the softmax online in float32, and
-dequantize float8 blocks (value = stored * scale, one scale per KV head) as they load them.
+dequantize float8 blocks (value = stored * scale, one scale per KV head) as they load them: the stored e4m3 values
+are converted once, to float16 (one packed instruction per two values; to bfloat16 it takes three), with bfloat16
+or float16 queries multiplied in float16 (`_compute_q`), and the scales are folded into the score scale and the
+final output, never applied per element. A float8 cache's decode tiles take twice the positions of a 16-bit one's
+(the same bytes per iteration).
 
 - `decode`: one query token per row. A program takes one (row, KV head, split): it loads each key and value
   block once for all the query heads of that KV head (GQA), over its share of the row's positions. With
@@ -63,16 +67,17 @@ def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, s
                   BS=k.shape[1], FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0))
     scale = _LOG2E / math.sqrt(dim)
+    kernel = _decode_tuned_fp8 if fp8 else _decode_tuned
     if splits <= 1:
-        _decode_tuned[(rows, groups, 1)](q, k, v, tables, positions, k_scale, v_scale, out, out, *strides,
-                                         out.stride(0), out.stride(1), 0, tables.shape[1], window or 0, scale,
-                                         triton.next_power_of_2(rows), SPLITS=1, **common)
+        kernel[(rows, groups, 1)](q, k, v, tables, positions, k_scale, v_scale, out, out, *strides, out.stride(0),
+                                  out.stride(1), 0, tables.shape[1], window or 0, scale, triton.next_power_of_2(rows),
+                                  SPLITS=1, **common)
         return out
     partial = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
-    _decode_tuned[(rows, groups, splits)](q, k, v, tables, positions, k_scale, v_scale, partial, lse, *strides,
-                                          partial.stride(0), partial.stride(1), partial.stride(2), tables.shape[1],
-                                          window or 0, scale, triton.next_power_of_2(rows), SPLITS=splits, **common)
+    kernel[(rows, groups, splits)](q, k, v, tables, positions, k_scale, v_scale, partial, lse, *strides,
+                                   partial.stride(0), partial.stride(1), partial.stride(2), tables.shape[1],
+                                   window or 0, scale, triton.next_power_of_2(rows), SPLITS=splits, **common)
     _paged_merge_kernel[(rows, heads)](partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
                                  out.stride(0), out.stride(1), SPLITS=splits,
                                  SP=triton.next_power_of_2(splits), D=dim, DP=_padded(dim))
@@ -104,6 +109,16 @@ def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales
 if triton is not None:
 
     @triton.jit
+    def _compute_q(q, FP8: tl.constexpr):
+        """The queries in the type the scores are computed in: with a float8 cache, 16-bit queries as float16 (the
+        e4m3 keys and values convert to it in one instruction; float16 holds bfloat16's bits but for magnitudes
+        over 65504, clamped), float32 ones unchanged; else as they are."""
+        if FP8:
+            if q.dtype != tl.float32:
+                q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        return q
+
+    @triton.jit
     def _softmax_start(scale, k_scale_ptr, group, ROWS: tl.constexpr, DP: tl.constexpr, FP8: tl.constexpr):
         """The score scale (float8 keys' scale folded in) and an empty running max, sum and output."""
         qk_scale = scale
@@ -122,10 +137,14 @@ if triton is not None:
     @triton.jit
     def _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, allowed, group, max_blocks, stride_kb, stride_kt,
                       stride_kh, d, d_ok, qk_scale, m, total, acc, BS: tl.constexpr, FP8: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
         """One online-softmax update of `q`'s rows with the keys and values at positions `keys` of one KV head of a
-        row (`allowed`: which (query, key) pairs count); returns the running max, sum and output."""
-        key_ok = tl.max(allowed.to(tl.int32), 0) > 0
+        row (`allowed`: which (query, key) pairs count; not `MASKED`: every pair, `allowed` unread); returns the
+        running max, sum and output."""
+        if MASKED:
+            key_ok = tl.max(allowed.to(tl.int32), 0) > 0
+        else:
+            key_ok = keys >= 0
         page = tl.minimum(keys // BS, max_blocks - 1)
         block = tl.load(tables_ptr + table_row + page, mask=key_ok, other=0).to(tl.int64)
         offsets = block * stride_kb + (keys % BS).to(tl.int64) * stride_kt + group * stride_kh
@@ -133,9 +152,10 @@ if triton is not None:
         k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
         v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
         if FP8:
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's compute type (float16, see _compute_q)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(allowed, s, float("-inf"))
+        if MASKED:
+            s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -170,6 +190,7 @@ if triton is not None:
         d_ok = d < D
         q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+        q = _compute_q(q, FP8)
         qk_scale, m, total, acc = _softmax_start(scale, k_scale_ptr, group, QP, DP, FP8)
         table_row = row.to(tl.int64) * stride_tr
         for start in range(lo, hi, BLOCK_N):
@@ -232,13 +253,24 @@ if triton is not None:
             tokens = (first + rows).to(tl.int64)
             q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            q = _compute_q(q, FP8)
             end = start + count
             lo = 0
             if WINDOWED:
                 lo = (tl.maximum(start - window, 0) // BLOCK_N) * BLOCK_N
             qk_scale, m, total, acc = _softmax_start(scale, k_scale_ptr, group, BLOCK_M, DP, FP8)
             table_row = sequence.to(tl.int64) * stride_tr
-            for key_start in range(lo, end, BLOCK_N):
+            # whole key tiles before the tile's first query: every query attends to every key, no mask to apply
+            # (padding queries compute on zeros and are not stored)
+            diagonal = lo
+            if not WINDOWED:
+                diagonal = (start // BLOCK_N) * BLOCK_N
+            for key_start in range(lo, diagonal, BLOCK_N):
+                keys = key_start + tl.arange(0, BLOCK_N)
+                m, total, acc = _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, keys[None, :] >= 0,
+                                              group, max_blocks, stride_kb, stride_kt, stride_kh, d, d_ok, qk_scale,
+                                              m, total, acc, BS, FP8, PRECISION, MASKED=False)
+            for key_start in range(diagonal, end, BLOCK_N):
                 keys = key_start + tl.arange(0, BLOCK_N)
                 allowed = (keys < end)[None, :] & (keys[None, :] <= query_positions[:, None]) & row_ok[:, None]
                 if WINDOWED:
@@ -257,15 +289,21 @@ if triton is not None:
         for n, warps, stages in ((64, 4, 3), (32, 2, 3), (32, 4, 4), (64, 4, 2), (64, 8, 3), (128, 4, 2),
                                  (128, 8, 2), (128, 8, 3), (256, 8, 2))
     ]
+    # A float8 cache: the same shapes with twice the positions per iteration (the same bytes in flight).
+    _DECODE_FP8_CONFIGS = [
+        triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
+        for n, warps, stages in ((128, 4, 3), (64, 2, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (256, 4, 2),
+                                 (256, 8, 2), (256, 8, 3), (512, 8, 2))
+    ]
     _CHUNK_CONFIGS = [
         triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
         for n, warps, stages in ((64, 4, 2), (32, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 8, 3))
     ]
     # The interpreter (TRITON_INTERPRET=1, CPU checks) cannot time configurations: it runs the first.
-    _decode_tuned = triton.autotune(
-        configs=_DECODE_CONFIGS[:1] if _INTERPRETED else _DECODE_CONFIGS,
-        key=["row_bucket", "QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"],
-    )(_paged_decode_kernel)
+    _decode_tuned, _decode_tuned_fp8 = (
+        triton.autotune(configs=configs[:1] if _INTERPRETED else configs,
+                        key=["row_bucket", "QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"])(_paged_decode_kernel)
+        for configs in (_DECODE_CONFIGS, _DECODE_FP8_CONFIGS))
     _chunk_tuned = triton.autotune(
         configs=_CHUNK_CONFIGS[:1] if _INTERPRETED else _CHUNK_CONFIGS, key=["QPG", "D", "BS", "FP8", "stride_kt"],
     )(_paged_chunk_kernel)
