@@ -67,6 +67,8 @@ class Handle:
     adapter: int = 0  # the LoRA slot its rows decode with (0: none)
     release_adapter: Callable[[], None] | None = None  # gives the LoRA slot back when the request ends
     submitted_at: float = field(default_factory=time.monotonic)  # time.monotonic() of each milestone
+    admitted_at: float | None = None  # given its rows and blocks
+    prompt_queued_at: float | None = None  # its prompt's last chunk and first token choice queued on the device
     first_token_at: float | None = None
     finished_at: float | None = None
     block_keys: list[bytes] = field(default_factory=list)  # prefix keys of the prompt's full blocks (for reuse)
@@ -431,6 +433,7 @@ class Scheduler:
                     return
                 self.waiting.popleft()
                 request = self._running(handle, row, self._take_blocks(handle, keys, hits))
+                handle.admitted_at = time.monotonic()
                 self.slots[row:row + request.width] = [request] * request.width
                 self.prefilling.append(request)
 
@@ -556,6 +559,7 @@ class Scheduler:
         step = LaunchedStep.read_back(self.chooser, first, per_row, width > 1)
         request.position = len(request.handle.prompt)
         request.decoding = True
+        request.handle.prompt_queued_at = time.monotonic()
         self._inflight.append(_Launched(self._count_launch(), step, [request], False, self._iteration))
 
     def _row_setups(self, request: _Running, position: int, scores: Sequence[float],
