@@ -130,7 +130,7 @@ def test_chunked_prefill_equals_unchunked_while_others_decode(model):
 def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_most_the_decode_budget(model):
     """The chunk policy (``chunk_budget``): alone, a prompt is prefilled ``max_num_tokens`` positions a step; while
     a row decodes, at most ``DECODE_CHUNK_TOKENS`` (attention cost left out here, so the chunks are the budgets).
-    The tokens stay the static cache's."""
+    The tokens stay the static cache's, and the warm-up's graphs cover every step taken."""
     assert chunk_budget(600, decoding=False) == 600 and chunk_budget(600, decoding=True) == DECODE_CHUNK_TOKENS
     assert chunk_budget(100, decoding=True) == 100  # max_num_tokens stays a hard cap
     scheduler = _scheduler(model, block_size=16, max_num_tokens=600, max_slots=2, max_seq_len=1100)
@@ -159,6 +159,14 @@ def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_m
     assert [chunk for rows, chunk in steps if chunk and rows] == [256, 256, 256, 232]
     assert late.result(timeout=0) == static_greedy(model, _embeds(model, beside), 3)
     assert decoding.result(timeout=0) == static_greedy(model, _embeds(model, short), 40)
+
+    # warm_up captures every (row bucket, chunk bucket) those steps took, and no 600-token chunk beside rows
+    forward = scheduler.forward
+    captured = {key[:2] for key in forward.capture_keys(chunk_budget(600, decoding=True))}
+    for rows, chunk in steps:
+        bucket = next(b for b in forward.buckets if b >= rows) if rows else 0
+        assert (bucket, next(c for c in forward.chunk_buckets if c >= chunk) if chunk else 0) in captured
+    assert (0, 600) in captured and (1, 600) not in captured and (1, 256) in captured
 
 
 def test_a_16k_position_prompt_through_chunks_equals_the_static_cache(model):

@@ -320,17 +320,25 @@ class ForwardStep:
         self._share_inputs(beams, layout, chunk)
         self._run(rows, furthest, chunk, key, full, lora, beams, beams_from)
 
-    def capture_all(self) -> None:
-        """Capture every (row bucket, chunk bucket, choice, LoRA) graph now, so no request waits for one later
-        (before any request: the captures run steps on the rows)."""
-        for rows in [0, *self.buckets] if self.enabled else ():
-            for padded in [0, *self.chunk_buckets]:
-                for full in ((False, True) if rows else (False,)):
-                    for lora in (False, True) if self.adapters is not None else (False,):
-                        if (rows or padded) and (rows, padded, full, lora) not in self.graphs:
-                            if self.tp is not None:
-                                self.tp.send(("capture", self.id, (rows, padded, full, lora)))
-                            self._capture(rows, padded, full, lora)
+    def capture_all(self, max_chunk_with_rows: int | None = None) -> None:
+        """Capture every step graph of ``capture_keys`` now, so no request waits for one later (before any
+        request: the captures run steps on the rows)."""
+        for key in self.capture_keys(max_chunk_with_rows) if self.enabled else ():
+            if key not in self.graphs:
+                if self.tp is not None:
+                    self.tp.send(("capture", self.id, key))
+                self._capture(*key)
+
+    def capture_keys(self, max_chunk_with_rows: int | None = None) -> list[tuple[int, int, bool, bool]]:
+        """Every (row bucket, chunk bucket, choice, LoRA) a step can take; with decode rows, only the chunk buckets
+        that hold ``max_chunk_with_rows`` tokens or fewer (the scheduler's chunks beside decoding rows)."""
+        beside = self.chunk_buckets[-1] if max_chunk_with_rows is None else \
+            next((c for c in self.chunk_buckets if c >= max_chunk_with_rows), self.chunk_buckets[-1])
+        return [(rows, padded, full, lora)
+                for rows in [0, *self.buckets]
+                for padded in [0, *self.chunk_buckets] if (rows or padded) and (not rows or padded <= beside)
+                for full in ((False, True) if rows else (False,))
+                for lora in ((False, True) if self.adapters is not None else (False,))]
 
     @property
     def graph_count(self) -> int:

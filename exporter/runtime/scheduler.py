@@ -179,7 +179,7 @@ class _Launched:
     iteration: int
 
 
-DEFAULT_MAX_NUM_TOKENS = 512
+DEFAULT_MAX_NUM_TOKENS = 2048  # a lone prompt's chunk: 600-position image prompts in one step, 16k in ~13
 # A step's prompt chunk beside decoding rows: its matrix products are compute-bound (a 7B model: ~14 GFLOP a
 # position, ~6 ms for 256 positions on an H100 at ~600 TFLOP/s, about what a 16-row decode step takes), so the
 # decoding rows' step stays within ~1.8x a plain decode step while a long prompt still moves at ~256 positions a step.
@@ -313,10 +313,10 @@ class Scheduler:
         self._fail_all(RequestCancelled("the scheduler stopped"))
 
     def warm_up(self) -> None:
-        """Compile and capture every step graph now (CUDA), so that no request waits for it (seconds; the graphs
-        share one memory pool)."""
+        """Compile and capture every step graph the chunk policy can produce now (CUDA), so that no request waits
+        for it (seconds; the graphs share one memory pool)."""
         with torch.inference_mode():
-            self.forward.capture_all()
+            self.forward.capture_all(max_chunk_with_rows=chunk_budget(self.max_num_tokens, decoding=True))
 
     def _loop(self) -> None:
         while True:
