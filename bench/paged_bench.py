@@ -123,13 +123,15 @@ def decode_ms(scheduler: Scheduler, rows: int, steps: int) -> tuple[float, float
     prompts = _prompts(scheduler.model, rows, CONTEXT, seed=rows)
     params = SamplingParams(max_output_len=steps + 64)
     handles = [scheduler.submit(prompts[i], [-1] * CONTEXT, params) for i in range(rows)]
-    # a larger chunk budget (eager steps) admits them quickly; 4096 keeps its activations within the reserve's room
-    budget, scheduler.max_num_tokens = scheduler.max_num_tokens, min(rows * CONTEXT, 4096)
+    # a larger chunk budget (eager steps), also beside the rows already decoding, admits them quickly; 4096 keeps
+    # its activations within the reserve's room
+    budgets = scheduler.max_num_tokens, scheduler.decode_chunk_tokens
+    scheduler.max_num_tokens = scheduler.decode_chunk_tokens = min(rows * CONTEXT, 4096)
     try:
         while scheduler.prefilling or scheduler.waiting:
             scheduler.step()
     finally:
-        scheduler.max_num_tokens = budget
+        scheduler.max_num_tokens, scheduler.decode_chunk_tokens = budgets
     for _ in range(2):
         scheduler.step()
     started = sum(handle.first_token_at is not None for handle in handles)

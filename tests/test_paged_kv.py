@@ -13,7 +13,7 @@ from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.paged_attention import FP8_DTYPE, PagedBatch, PagedKVCache, paged_attention
 from exporter.runtime.cuda_graphs import Piece
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
-from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, chunk_budget, generate
+from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, generate
 from support.decoders import (
     LONG_CONFIG,
     SCHEDULER_VOCAB,
@@ -128,12 +128,13 @@ def test_chunked_prefill_equals_unchunked_while_others_decode(model):
 
 
 def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_most_the_decode_budget(model):
-    """The chunk policy (``chunk_budget``): alone, a prompt is prefilled ``max_num_tokens`` positions a step; while
-    a row decodes, at most ``DECODE_CHUNK_TOKENS`` (attention cost left out here, so the chunks are the budgets).
+    """The chunk policy (``Scheduler.chunk_budget``): alone, a prompt is prefilled ``max_num_tokens`` positions a
+    step; while a row decodes, at most ``DECODE_CHUNK_TOKENS`` (attention cost left out here, so the chunks are the budgets).
     The tokens stay the static cache's, and the warm-up's graphs cover every step taken."""
-    assert chunk_budget(600, decoding=False) == 600 and chunk_budget(600, decoding=True) == DECODE_CHUNK_TOKENS
-    assert chunk_budget(100, decoding=True) == 100  # max_num_tokens stays a hard cap
+    assert _scheduler(model, max_num_tokens=100).chunk_budget(decoding=True) == 100  # max_num_tokens: a hard cap
     scheduler = _scheduler(model, block_size=16, max_num_tokens=600, max_slots=2, max_seq_len=1100)
+    assert scheduler.chunk_budget(decoding=False) == 600
+    assert scheduler.chunk_budget(decoding=True) == DECODE_CHUNK_TOKENS == 256
     scheduler.key_equivalent = float("inf")
     steps: list[tuple[int, int]] = []
     launch = scheduler.forward.launch
@@ -162,7 +163,7 @@ def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_m
 
     # warm_up captures every (row bucket, chunk bucket) those steps took, and no 600-token chunk beside rows
     forward = scheduler.forward
-    captured = {key[:2] for key in forward.capture_keys(chunk_budget(600, decoding=True))}
+    captured = {key[:2] for key in forward.capture_keys(scheduler.chunk_budget(decoding=True))}
     for rows, chunk in steps:
         bucket = next(b for b in forward.buckets if b >= rows) if rows else 0
         assert (bucket, next(c for c in forward.chunk_buckets if c >= chunk) if chunk else 0) in captured

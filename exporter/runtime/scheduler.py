@@ -8,8 +8,8 @@ already computed (same token ids and media, see ``prefix``) takes those blocks i
 
 Each iteration (``step``) admits waiting requests, queues one forward that holds a decode token for every
 decoding row and a chunk of the admitted prompts (at most ``max_num_tokens`` prompt positions, and fewer while rows
-decode, ``chunk_budget``, so a long prompt is prefilled over several steps while the others keep decoding), chooses the first tokens of the prompts that
-chunk completed, and then reads back what the iteration before queued: each request takes its token (a beam search
+decode, ``chunk_budget``, so a long prompt is prefilled over several steps while the others keep decoding),
+chooses the first tokens of the prompts that chunk completed, and then reads back what the iteration before queued: each request takes its token (a beam search
 its candidates), streams it and finishes, releasing its rows and blocks at once. The decode rows of a step are
 ``[0, bucket)``, the smallest captured batch size that holds every decoding row, so on CUDA each step replays a CUDA
 graph (see ``cuda_graphs``).
@@ -194,7 +194,7 @@ class Scheduler:
     Callbacks run on the stepping thread; a callback that raises ends its own request with that error.
     ``max_beam_width`` is the widest beam search served (at most ``max_slots``). ``max_num_tokens`` caps the prompt
     positions one step prefills (weighted by the keys they attend to, see ``chunk_cost``; beside decoding rows at
-    most ``DECODE_CHUNK_TOKENS``, see ``chunk_budget``). ``kv_cache_scales``
+    most ``decode_chunk_tokens``, ``DECODE_CHUNK_TOKENS`` unless changed, see ``chunk_budget``). ``kv_cache_scales``
     ``[layers, 2, kv_heads]`` sets a float8 cache's scales (default: calibrated on token embeddings).
     ``decode_steps`` counts the decode steps launched and ``steps_queued_ahead`` those launched while the step
     before was still unread; ``prefilled_positions`` the prompt positions computed and ``reused_positions`` those
@@ -219,6 +219,7 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.max_beam_width = max_beam_width
         self.max_num_tokens = max_num_tokens
+        self.decode_chunk_tokens = DECODE_CHUNK_TOKENS
         self.eos_id = eos_id
         self.tokenizer = tokenizer
         self.reuse = options.enable_reuse
@@ -316,7 +317,7 @@ class Scheduler:
         """Compile and capture every step graph the chunk policy can produce now (CUDA), so that no request waits
         for it (seconds; the graphs share one memory pool)."""
         with torch.inference_mode():
-            self.forward.capture_all(max_chunk_with_rows=chunk_budget(self.max_num_tokens, decoding=True))
+            self.forward.capture_all(max_chunk_with_rows=self.chunk_budget(decoding=True))
 
     def _loop(self) -> None:
         while True:
@@ -362,7 +363,7 @@ class Scheduler:
         self._iteration += 1
         self._admit()
         decoding = [request for request in self._requests() if request.decoding]
-        pieces = self._plan_chunk(chunk_budget(self.max_num_tokens, bool(decoding)))
+        pieces = self._plan_chunk(self.chunk_budget(bool(decoding)))
         if decoding or pieces:
             self._launch(decoding, pieces)
         while self._inflight and (self._inflight[0].iteration < self._iteration or not (decoding or pieces)):
@@ -500,6 +501,13 @@ class Scheduler:
             self.forward.copy_blocks(*(host_to_device(list(ids), torch.long, self.model.device)
                                        for ids in (targets, sources)))
         return _Running(handle, row, search, seed, blocks, prefilled=reused, registered=blocks.reused)
+
+    def chunk_budget(self, decoding: bool) -> int:
+        """The prompt positions (``chunk_cost`` units) one step prefills: ``max_num_tokens`` when no row is decoding
+        (a lone prompt takes the biggest chunks, the fastest prefill), at most ``decode_chunk_tokens`` beside
+        decoding rows (so that their step, hence their time per token, grows by a bounded share).
+        ``max_num_tokens`` is a hard cap either way."""
+        return min(self.max_num_tokens, self.decode_chunk_tokens) if decoding else self.max_num_tokens
 
     def _plan_chunk(self, budget: int) -> list[tuple[_Running, Piece]]:
         """The next pieces of the admitted prompts, in admission order, within ``budget`` prompt positions (the
@@ -646,14 +654,6 @@ class Scheduler:
             handle.beams = request.search.results()
             handle.tokens = handle.beams[0] if handle.beams else []
         handle._finish(error)
-
-
-def chunk_budget(max_num_tokens: int, decoding: bool) -> int:
-    """The prompt positions (``chunk_cost`` units) one step prefills: ``max_num_tokens`` when no row is decoding
-    (a lone prompt takes the biggest chunks, the fastest prefill), at most ``DECODE_CHUNK_TOKENS`` beside decoding
-    rows (so that their step, hence their time per token, grows by a bounded share). ``max_num_tokens`` is a hard
-    cap either way."""
-    return min(max_num_tokens, DECODE_CHUNK_TOKENS) if decoding else max_num_tokens
 
 
 def chunk_cost(count: int, start: int, key_equivalent: float) -> float:
