@@ -170,6 +170,19 @@ def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_m
     assert (0, 600) in captured and (1, 600) not in captured and (1, 256) in captured
 
 
+def test_a_request_takes_no_decode_step_past_its_last_token(model):
+    """A request queued up to max_output_len is not launched again (the step once computed and dropped after the
+    last token would hold the device from the next request): one token takes no decode step, n tokens n - 1."""
+    scheduler = _scheduler(model)
+    for length in (1, 5):
+        ids = random_ids(40 + length, 12)
+        before = scheduler.decode_steps
+        handle = scheduler.submit(_embeds(model, ids), ids, SamplingParams(max_output_len=length))
+        run_until_idle(scheduler)
+        assert handle.result(timeout=0) == static_greedy(model, _embeds(model, ids), length)
+        assert scheduler.decode_steps - before == length - 1
+
+
 def test_a_16k_position_prompt_through_chunks_equals_the_static_cache(model):
     """A video-sized prompt (16,400 feature positions) prefilled in chunks while a short request decodes."""
     generator = torch.Generator().manual_seed(5)

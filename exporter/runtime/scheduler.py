@@ -16,9 +16,10 @@ graph (see ``cuda_graphs``).
 
 Every row's next token is chosen on the device (``exporter.llm.sampling``: greedy, sampled and beam rows alike), so
 the next step is always queued before the host reads the current one and the device does not wait for the host's
-bookkeeping. A request that ends meanwhile has one extra step computed and dropped. The device cannot read text:
-when a stop string ends a beam that the device continued, the host rebuilds that search's rows (each beam's tokens
-computed again after the prompt) and the search skips the step queued meanwhile.
+bookkeeping. A request that ends meanwhile (an end token, a stop) has one extra step computed and dropped; one whose
+last token (``max_output_len``) is queued takes no further step, so the device is free for the next request. The
+device cannot read text: when a stop string ends a beam that the device continued, the host rebuilds that search's
+rows (each beam's tokens computed again after the prompt) and the search skips the step queued meanwhile.
 """
 
 from __future__ import annotations
@@ -159,6 +160,12 @@ class _Running:
     @property
     def rows(self) -> range:
         return range(self.first_row, self.first_row + self.width)
+
+    @property
+    def tokens_left(self) -> bool:
+        """Whether a decode step still has a token to compute for it: the prompt's launch chose the first token,
+        each decode step launched since one more; at ``max_output_len`` it waits only to be read."""
+        return self.position - len(self.handle.prompt) + 1 < self.handle.params.max_output_len
 
     @property
     def plain(self) -> bool:
@@ -362,7 +369,7 @@ class Scheduler:
         returns whether work is left."""
         self._iteration += 1
         self._admit()
-        decoding = [request for request in self._requests() if request.decoding]
+        decoding = [request for request in self._requests() if request.decoding and request.tokens_left]
         pieces = self._plan_chunk(self.chunk_budget(bool(decoding)))
         if decoding or pieces:
             self._launch(decoding, pieces)
