@@ -11,7 +11,7 @@ from exporter.llm.config import DecoderConfig
 from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.paged_attention import FP8_DTYPE, PagedBatch, PagedKVCache, paged_attention
-from exporter.runtime.cuda_graphs import Piece
+from exporter.runtime.cuda_graphs import Piece, chunk_bucket_sizes
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
 from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, generate
 from support.decoders import (
@@ -168,6 +168,8 @@ def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_m
         bucket = next(b for b in forward.buckets if b >= rows) if rows else 0
         assert (bucket, next(c for c in forward.chunk_buckets if c >= chunk) if chunk else 0) in captured
     assert (0, 600) in captured and (1, 600) not in captured and (1, 256) in captured
+    # the default cap's buckets: an image prompt of ~600 positions pads to 640, not to the next power of two
+    assert chunk_bucket_sizes(2048) == [32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048]
 
 
 def test_a_request_takes_no_decode_step_past_its_last_token(model):

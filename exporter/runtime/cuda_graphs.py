@@ -34,11 +34,13 @@ def bucket_sizes(limit: int) -> list[int]:
 
 
 def chunk_bucket_sizes(limit: int) -> list[int]:
-    """The padded chunk sizes a step is captured for: powers of two from 32 below ``limit``, and ``limit``."""
+    """The padded chunk sizes a step is captured for, up to ``limit`` (always included): powers of two from 32 to
+    256, then every 128 up to 1024 and every 256 beyond, so that a lone prompt's chunk (an image prompt of ~600
+    positions: 640) computes little padding."""
     sizes, size = {limit}, SHORTEST_CHUNK
     while size < limit:
         sizes.add(size)
-        size *= 2
+        size = size * 2 if size < 256 else size + (128 if size < 1024 else 256)
     return sorted(sizes)
 
 
