@@ -60,8 +60,10 @@ def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
     chunk_query = torch.randn(400, groups * per_group, dim, device="cuda", generator=generator).bfloat16()
     chunk = Chunk(tables[:2], None, None, tiles, sequences)
     expected = paged_attention._chunk_reference(chunk_query.float(), k, v, chunk, layer_scales, None)
-    got = paged_triton.chunk(chunk_query, k, v, tables[:2], tiles, layer_scales, None)
-    assert relative_error(got[:377], expected[:377]) < 1e-2
+    for splits in (1, 4):
+        got = paged_triton.chunk(chunk_query, k, v, tables[:2], tiles, layer_scales, None, splits)
+        assert relative_error(got[:377], expected[:377]) < 1e-2, f"chunk, {splits} splits"
+        assert not got[377:].any()  # queries no tile covers
 
 
 @torch.inference_mode()

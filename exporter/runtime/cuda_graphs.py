@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -44,12 +44,13 @@ def chunk_bucket_sizes(limit: int) -> list[int]:
     return sorted(sizes)
 
 
-def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
-    """Parts each decode row's positions are cut into: enough (row, KV head, part) programs for two per SM."""
+def decode_splits(rows: int, heads: int, device: torch.device) -> int:
+    """Parts the attention kernel cuts the keys of each of its ``rows x heads`` programs into (decode: rows and KV
+    heads; a chunk: query tiles and heads): enough programs for two per SM."""
     if device.type != "cuda":
         return 1
     programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLITS, -(-programs // (rows * kv_heads))))
+    return max(1, min(MAX_SPLITS, -(-programs // (rows * heads))))
 
 
 def capture(fn: Callable[[], Any], pool: tuple) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -379,8 +380,13 @@ class ForwardStep:
             positions.append(chunk.positions)
             adapters.append(chunk.adapters)
             output_index = torch.cat([torch.arange(rows, device=chunk.outputs.device), rows + chunk.outputs])
+        prompt = None
+        if chunk is not None:
+            tiles = chunk.chunk.tiles.shape[0]
+            prompt = replace(chunk.chunk, splits=decode_splits(tiles, self.model.config.num_attention_heads,
+                                                               self.model.device))
         batch = PagedBatch(self.cache, rows, self.tables, state[POSITION, :rows], span,
-                           self.splits.get(rows, 1), None if chunk is None else chunk.chunk)
+                           self.splits.get(rows, 1), prompt)
         logits = self.model(self._embeddings(embeds)[:, None], torch.cat(positions)[:, None], batch,
                             output_index=output_index, adapters=torch.cat(adapters) if lora else None)[:, 0]
         if rows and (self.tp is None or self.tp.leader):
