@@ -381,8 +381,8 @@ class ForwardStep:
             adapters.append(chunk.adapters)
             output_index = torch.cat([torch.arange(rows, device=chunk.outputs.device), rows + chunk.outputs])
         prompt = None
-        if chunk is not None:
-            tiles = chunk.chunk.tiles.shape[0]
+        if chunk is not None:  # its kernel's splits: as many as its tokens in whole query tiles need
+            tiles = -(-len(chunk.positions) // CHUNK_TILE)
             prompt = replace(chunk.chunk, splits=decode_splits(tiles, self.model.config.num_attention_heads,
                                                                self.model.device))
         batch = PagedBatch(self.cache, rows, self.tables, state[POSITION, :rows], span,
