@@ -11,7 +11,8 @@ Parts (each runs on its own: one that fails prints its error and the others stil
   decoding alone, and the long prompt's time to first token against the same prompt alone;
 - time to first token end to end through the Pipeline (image + question, `max_output_len=1`): a first question
   (the encoder runs, the whole prompt is prefilled) and a second question about an image already seen (encoder
-  cache hit, the prompt's blocks up to the question reused).
+  cache hit, the prompt's blocks up to the question reused), each with its median time by phase: the Pipeline's
+  host phases (``Pipeline.on_phase``) and the scheduler's milestones on the request's handle.
 
     python bench/paged_bench.py            # CUDA (the H100), a few minutes; prints the table, writes $OUT/paged_bench.json
     python bench/paged_bench.py --tiny     # tiny shapes on the CPU in float32: checks that the script runs
