@@ -22,7 +22,7 @@ from exporter.llm.paged_attention import FP8_DTYPE, Chunk, PagedBatch, PagedKVCa
 from exporter.runtime.kv_cache import KVCacheOptions, calibrated_kv_scales
 from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler
 from support.decoders import random_ids, unit_scale_decoder
-from support.decoding import captured_decode_logits, relative_error, static_greedy
+from support.decoding import captured_decode_logits, record_steps, relative_error, static_greedy
 from support.demo import DEMO_NEMO, load_demo_builder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -73,14 +73,7 @@ def test_float32_tokens_through_captured_chunked_and_reused_steps_equal_the_cpu(
                           kv_cache=KVCacheOptions(block_size=32))
     scheduler.warm_up()
     captured = scheduler.forward.graph_count
-    steps: list[tuple[int, int]] = []
-    launch = scheduler.forward.launch
-
-    def recording(rows, furthest, pieces=(), *args, **kwargs):
-        steps.append((rows, sum(len(piece.embeds) for piece in pieces)))
-        return launch(rows, furthest, pieces, *args, **kwargs)
-
-    scheduler.forward.launch = recording
+    steps = record_steps(scheduler)
     prompts = [random_ids(200 + k, n) for k, n in enumerate((5, 40, 77))]
     handles = [scheduler.submit(gpu.embed(torch.tensor(ids, device="cuda")), ids, SamplingParams(max_output_len=24),
                                 prefix=ids) for ids in prompts]

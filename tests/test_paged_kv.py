@@ -21,7 +21,7 @@ from support.decoders import (
     random_ids,
     unit_scale_decoder,
 )
-from support.decoding import reference_beam_search, run_until_idle, static_greedy
+from support.decoding import record_steps, reference_beam_search, run_until_idle, static_greedy
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +105,7 @@ def test_chunked_prefill_equals_unchunked_while_others_decode(model):
     """Prompts prefilled a few positions per step, joining requests that decode meanwhile: the same tokens, and
     no step prefills more than max_num_tokens positions."""
     scheduler = _scheduler(model, max_num_tokens=6)
-    chunks: list[int] = []
-    launch = scheduler.forward.launch
-
-    def counting(rows, furthest, pieces=(), *args, **kwargs):
-        chunks.append(sum(len(piece.embeds) for piece in pieces))
-        return launch(rows, furthest, pieces, *args, **kwargs)
-
-    scheduler.forward.launch = counting
+    steps = record_steps(scheduler)
     early = random_ids(20, 5)
     handles = [(early, scheduler.submit(_embeds(model, early), early, SamplingParams(max_output_len=30)))]
     for _ in range(3):
@@ -121,6 +114,7 @@ def test_chunked_prefill_equals_unchunked_while_others_decode(model):
         ids = random_ids(seed, length)
         handles.append((ids, scheduler.submit(_embeds(model, ids), ids, SamplingParams(max_output_len=8))))
     run_until_idle(scheduler)
+    chunks = [chunk for _, chunk in steps]
     assert max(chunks) <= 6 and sum(chunks) == 5 + 23 + 40 + 9
     for ids, handle in handles:
         assert handle.result(timeout=0) == static_greedy(model, _embeds(model, ids), len(handle.result(timeout=0)))
@@ -136,14 +130,7 @@ def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_m
     assert scheduler.chunk_budget(decoding=False) == 600
     assert scheduler.chunk_budget(decoding=True) == DECODE_CHUNK_TOKENS == 256
     scheduler.key_equivalent = float("inf")
-    steps: list[tuple[int, int]] = []
-    launch = scheduler.forward.launch
-
-    def recording(rows, furthest, pieces=(), *args, **kwargs):
-        steps.append((rows, sum(len(piece.embeds) for piece in pieces)))
-        return launch(rows, furthest, pieces, *args, **kwargs)
-
-    scheduler.forward.launch = recording
+    steps = record_steps(scheduler)
     alone = random_ids(30, 1000)
     handle = scheduler.submit(_embeds(model, alone), alone, SamplingParams(max_output_len=3))
     run_until_idle(scheduler)
