@@ -128,7 +128,7 @@ def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_m
     assert _scheduler(model, max_num_tokens=100).chunk_budget(decoding=True) == 100  # max_num_tokens: a hard cap
     scheduler = _scheduler(model, block_size=16, max_num_tokens=600, max_slots=2, max_seq_len=1100)
     assert scheduler.chunk_budget(decoding=False) == 600
-    assert scheduler.chunk_budget(decoding=True) == DECODE_CHUNK_TOKENS == 256
+    assert scheduler.chunk_budget(decoding=True) == DECODE_CHUNK_TOKENS == 384
     scheduler.key_equivalent = float("inf")
     steps = record_steps(scheduler)
     alone = random_ids(30, 1000)
@@ -144,7 +144,7 @@ def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_m
     beside = random_ids(32, 1000)
     late = scheduler.submit(_embeds(model, beside), beside, SamplingParams(max_output_len=3))
     run_until_idle(scheduler)
-    assert [chunk for rows, chunk in steps if chunk and rows] == [256, 256, 256, 232]
+    assert [chunk for rows, chunk in steps if chunk and rows] == [384, 384, 232]
     assert late.result(timeout=0) == static_greedy(model, _embeds(model, beside), 3)
     assert decoding.result(timeout=0) == static_greedy(model, _embeds(model, short), 40)
 
@@ -154,7 +154,7 @@ def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_m
     for rows, chunk in steps:
         bucket = next(b for b in forward.buckets if b >= rows) if rows else 0
         assert (bucket, next(c for c in forward.chunk_buckets if c >= chunk) if chunk else 0) in captured
-    assert (0, 600) in captured and (1, 600) not in captured and (1, 256) in captured
+    assert (0, 600) in captured and (1, 600) not in captured and (1, 384) in captured
     # the default cap's buckets: an image prompt of ~600 positions pads to 640, not to the next power of two
     assert chunk_bucket_sizes(2048) == [32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048]
 

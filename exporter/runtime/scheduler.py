@@ -188,9 +188,10 @@ class _Launched:
 
 DEFAULT_MAX_NUM_TOKENS = 2048  # a lone prompt's chunk: 600-position image prompts in one step, 16k in ~13
 # A step's prompt chunk beside decoding rows: its matrix products are compute-bound (a 7B model: ~14 GFLOP a
-# position, ~6 ms for 256 positions on an H100 at ~600 TFLOP/s, about what a 16-row decode step takes), so the
-# decoding rows' step stays within ~1.8x a plain decode step while a long prompt still moves at ~256 positions a step.
-DECODE_CHUNK_TOKENS = 256
+# position, ~9 ms for 384 positions on an H100 at ~600 TFLOP/s; a 16-row decode step takes 7.7 ms, its weight read
+# 4.5 of them, shared), so the decoding rows' step stays within ~1.8x a plain one, while a 16k prompt beside them
+# takes ~70 steps (256: ~107, a time to first token ~1.7x its lone prefill's, over the 1.3x asked).
+DECODE_CHUNK_TOKENS = 384
 
 
 class Scheduler:
