@@ -11,7 +11,8 @@ Parts (each runs on its own: one that fails prints its error and the others stil
   decoding alone, and the long prompt's time to first token against the same prompt alone;
 - time to first token end to end through the Pipeline (image + question, `max_output_len=1`): a first question
   (the encoder runs, the whole prompt is prefilled) and a second question about an image already seen (encoder
-  cache hit, the prompt's blocks up to the question reused).
+  cache hit, the prompt's blocks up to the question reused), each with its median time by phase: the Pipeline's
+  host phases (``Pipeline.on_phase``) and the scheduler's milestones on the request's handle.
 
     python bench/paged_bench.py            # CUDA (the H100), a few minutes; prints the table, writes $OUT/paged_bench.json
     python bench/paged_bench.py --tiny     # tiny shapes on the CPU in float32: checks that the script runs
@@ -43,9 +44,14 @@ from exporter.llm.tokenizer import SentencePieceTokenizer
 from exporter.models.neva import ImagePerception
 from exporter.models.templates import get_template
 from exporter.runtime import Pipeline, Request
+from exporter.runtime.pipeline import PHASES
 from exporter.runtime.kv_cache import KVCacheOptions
 from exporter.runtime.scheduler import Scheduler
 
+# the scheduler's part of a request's TTFT, between the handle's milestones (submitted, admitted, prompt queued,
+# first token read) and the answer back in the caller
+SCHEDULER_PHASES = ("admission (loop wake-up, prefix match, blocks)", "prefill steps queued (host)",
+                    "prefill on the device + first token read", "answer returned")
 # the static cache's numbers on the same H100 (docs/performance.md; the second question's from issue 14)
 BEFORE = {"decode_bs1_ms": 5.55, "ttft_first_ms": 17.44, "ttft_second_ms": 18.7}
 CONTEXT, NEW_TOKENS = 608, 128
@@ -118,13 +124,15 @@ def decode_ms(scheduler: Scheduler, rows: int, steps: int) -> tuple[float, float
     prompts = _prompts(scheduler.model, rows, CONTEXT, seed=rows)
     params = SamplingParams(max_output_len=steps + 64)
     handles = [scheduler.submit(prompts[i], [-1] * CONTEXT, params) for i in range(rows)]
-    # a larger chunk budget (eager steps) admits them quickly; 4096 keeps its activations within the reserve's room
-    budget, scheduler.max_num_tokens = scheduler.max_num_tokens, min(rows * CONTEXT, 4096)
+    # a larger chunk budget (eager steps), also beside the rows already decoding, admits them quickly; 4096 keeps
+    # its activations within the reserve's room
+    budgets = scheduler.max_num_tokens, scheduler.decode_chunk_tokens
+    scheduler.max_num_tokens = scheduler.decode_chunk_tokens = min(rows * CONTEXT, 4096)
     try:
         while scheduler.prefilling or scheduler.waiting:
             scheduler.step()
     finally:
-        scheduler.max_num_tokens = budget
+        scheduler.max_num_tokens, scheduler.decode_chunk_tokens = budgets
     for _ in range(2):
         scheduler.step()
     started = sum(handle.first_token_at is not None for handle in handles)
@@ -244,14 +252,26 @@ def _ttft(model: Decoder, shape: dict, repeats: int) -> dict:
     pipeline = Pipeline(engine)
     rng = np.random.default_rng(0)
     size = vision.image_size
+    phases: dict[str, float] = {}
+    handles: list = []
+    pipeline.on_phase = lambda name, seconds: phases.__setitem__(name, phases.get(name, 0.0) + seconds * 1e3)
+    pipeline.submitted.append(handles.append)
 
-    def ask(question: str, image: np.ndarray) -> float:
-        start = time.perf_counter()
+    def ask(question: str, image: np.ndarray) -> dict[str, float]:
+        """One question's TTFT and its phases (ms): the Pipeline's host phases, then the scheduler's milestones."""
+        phases.clear()
+        handles.clear()
+        start = time.monotonic()  # the clock of the handle's milestones
         (completion,) = pipeline.run([Request(question, image, SamplingParams(max_output_len=1))])
-        elapsed = (time.perf_counter() - start) * 1e3
+        end = time.monotonic()
         if isinstance(completion, Exception):
             raise completion
-        return elapsed
+        (handle,) = handles
+        milestones = (handle.submitted_at, handle.admitted_at, handle.prompt_queued_at, handle.first_token_at, end)
+        times = {"total": (end - start) * 1e3, **phases}
+        times.update({name: (later - earlier) * 1e3
+                      for name, earlier, later in zip(SCHEDULER_PHASES, milestones, milestones[1:])})
+        return times
 
     try:
         images = [rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(repeats + 2)]
@@ -264,8 +284,12 @@ def _ttft(model: Decoder, shape: dict, repeats: int) -> dict:
         reused = (pipeline.scheduler.reused_positions - reused_before) / repeats
     finally:
         pipeline.close()
-    return {"ttft_first_ms": float(np.median(first)), "ttft_second_ms": float(np.median(second)),
-            "ttft_second_reused_positions": reused}
+    result: dict = {"ttft_second_reused_positions": reused}
+    for name, runs in (("first", first), ("second", second)):
+        result[f"ttft_{name}_ms"] = float(np.median([times["total"] for times in runs]))
+        result[f"ttft_{name}_phases_ms"] = {phase: float(np.median([times.get(phase, 0.0) for times in runs]))
+                                            for phase in (*PHASES, *SCHEDULER_PHASES) if any(phase in t for t in runs)}
+    return result
 
 
 def report(result: dict) -> str:
@@ -298,6 +322,10 @@ def report(result: dict) -> str:
     line("TTFT first question (image + text) ms", f"{BEFORE['ttft_first_ms']:.2f}", "ttft_first_ms", "")
     line("TTFT second question, same image ms", f"{BEFORE['ttft_second_ms']:.2f}", "ttft_second_ms", "<= 6")
     rows.append(f"  positions reused per second question: {value('ttft_second_reused_positions', 0)}")
+    for name in ("first", "second"):
+        breakdown = result.get(f"ttft_{name}_phases_ms") or {}
+        rows.append(f"  {name} question's TTFT by phase, median ms: "
+                    + ", ".join(f"{phase} {ms:.2f}" for phase, ms in breakdown.items()))
     rows.append(f"{result.get('concurrent_requests', '-')} concurrent requests ({CONTEXT} + {NEW_TOKENS}): "
                 f"{result.get('concurrent_completed', '-')} completed, {result.get('concurrent_errors', '-')} errors, "
                 f"{value('concurrent_s')} s, {value('concurrent_tok_s', 0)} tok/s, at most "

@@ -116,7 +116,7 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
      "4 GiB), a cap on the GPU"),
     (None, "--kv_cache_dtype", str, ("auto", "fp8"), "auto",
      "KV-cache storage: the model's dtype, or float8 e4m3 with per-head scales (GPUs with FP8)"),
-    (None, "--max_num_tokens", int, None, 512,
+    (None, "--max_num_tokens", int, None, 2048,
      "prompt positions one scheduler step prefills at most (long prompts are prefilled in chunks between decode steps)"),
     (None, "--openai_port", int, None, None, "port of an OpenAI-compatible HTTP API (/v1/chat/completions)"),
     (None, "--openai_address", str, None, None, "address the OpenAI API listens on (default: --triton_http_address)"),

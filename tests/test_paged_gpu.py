@@ -20,9 +20,9 @@ from exporter.llm import paged_attention, paged_triton
 from exporter.llm.generate import SamplingParams
 from exporter.llm.paged_attention import FP8_DTYPE, Chunk, PagedBatch, PagedKVCache
 from exporter.runtime.kv_cache import KVCacheOptions, calibrated_kv_scales
-from exporter.runtime.scheduler import Scheduler
+from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler
 from support.decoders import random_ids, unit_scale_decoder
-from support.decoding import captured_decode_logits, relative_error, static_greedy
+from support.decoding import captured_decode_logits, record_steps, relative_error, static_greedy
 from support.demo import DEMO_NEMO, load_demo_builder
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -60,15 +60,20 @@ def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
     chunk_query = torch.randn(400, groups * per_group, dim, device="cuda", generator=generator).bfloat16()
     chunk = Chunk(tables[:2], None, None, tiles, sequences)
     expected = paged_attention._chunk_reference(chunk_query.float(), k, v, chunk, layer_scales, None)
-    got = paged_triton.chunk(chunk_query, k, v, tables[:2], tiles, layer_scales, None)
-    assert relative_error(got[:377], expected[:377]) < 1e-2
+    for splits in (1, 4):
+        got = paged_triton.chunk(chunk_query, k, v, tables[:2], tiles, layer_scales, None, splits)
+        assert relative_error(got[:377], expected[:377]) < 1e-2, f"chunk, {splits} splits"
+        assert not got[377:].any()  # queries no tile covers
 
 
 @torch.inference_mode()
 def test_float32_tokens_through_captured_chunked_and_reused_steps_equal_the_cpu():
     cpu, gpu = unit_scale_decoder(), unit_scale_decoder("cuda")
-    scheduler = Scheduler(gpu, max_slots=4, max_seq_len=4200, eos_id=None, max_num_tokens=256,
+    scheduler = Scheduler(gpu, max_slots=4, max_seq_len=4200, eos_id=None, max_num_tokens=512,
                           kv_cache=KVCacheOptions(block_size=32))
+    scheduler.warm_up()
+    captured = scheduler.forward.graph_count
+    steps = record_steps(scheduler)
     prompts = [random_ids(200 + k, n) for k, n in enumerate((5, 40, 77))]
     handles = [scheduler.submit(gpu.embed(torch.tensor(ids, device="cuda")), ids, SamplingParams(max_output_len=24),
                                 prefix=ids) for ids in prompts]
@@ -84,7 +89,9 @@ def test_float32_tokens_through_captured_chunked_and_reused_steps_equal_the_cpu(
         assert handle.result() == static_greedy(cpu, cpu.embed(torch.tensor(ids)), 24)
     assert long.result() == static_greedy(cpu, features, 6)
     assert scheduler.reused_positions == 64
-    assert any(rows and chunk for rows, chunk, *_ in scheduler.forward.graphs), "no prompt rode on a decode step"
+    assert any(rows and chunk for rows, chunk in steps), "no prompt rode on a decode step"
+    assert max(chunk for rows, chunk in steps if rows) <= DECODE_CHUNK_TOKENS  # the chunk policy beside rows
+    assert scheduler.forward.graph_count == captured  # the warm-up captured every step the run took
 
 
 @pytest.mark.skipif(not FP8_GPU, reason="float8 needs compute capability 8.9")

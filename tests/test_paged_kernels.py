@@ -57,6 +57,7 @@ SHAPES = [
     (torch.float32, 1, 4, 8, 4, False),
     (torch.float16, 2, 3, 24, 1, False),
     (torch.float32, 2, 2, 16, 8, True),
+    (torch.float16, 2, 2, 24, 8, True),  # 16-bit queries over float8 blocks: scores computed in float16
 ]
 
 
@@ -78,23 +79,24 @@ def test_decode_kernel_matches_the_reference(kernels, dtype, groups, per_group, 
 
 
 @pytest.mark.parametrize("dtype, groups, per_group, dim, block_size, fp8", SHAPES)
-@pytest.mark.parametrize("window", [None, 11])
-def test_chunk_kernel_matches_the_reference(kernels, dtype, groups, per_group, dim, block_size, fp8, window):
-    """Two sequences of one chunk, one starting after cached positions, with padding after them; the tiles as the
-    step builds them (at most CHUNK_TILE queries each, one unused)."""
-    width = -(-111 // block_size)
-    cache = _cache(dtype, groups, dim, block_size, blocks=2 * width + 1, fp8=fp8)
-    tables = _tables(2, width, cache.num_blocks, seed=3)
-    sequences = ((0, 70, 9), (70, 41, 0))  # (first query, count, first position)
+@pytest.mark.parametrize("splits, window", [(1, None), (1, 11), (3, None), (4, 11)])
+def test_chunk_kernel_matches_the_reference(kernels, dtype, groups, per_group, dim, block_size, fp8, splits, window):
+    """Three sequences of one chunk, two starting after cached positions (one past two whole key tiles, which the
+    kernel reads unmasked), with padding after them; the tiles as the step builds them (at most CHUNK_TILE queries
+    each, one unused); with splits, each tile's keys cut into parts merged after (some parts without a key)."""
+    width = -(-150 // block_size)
+    cache = _cache(dtype, groups, dim, block_size, blocks=3 * width + 1, fp8=fp8)
+    tables = _tables(3, width, cache.num_blocks, seed=3)
+    sequences = ((0, 70, 9), (70, 41, 0), (111, 20, 130))  # (first query, count, first position)
     tile = kernels.CHUNK_TILE
     tiles = [[index, first + offset, min(tile, count - offset), start + offset]
              for index, (first, count, start) in enumerate(sequences) for offset in range(0, count, tile)]
     tiles = torch.tensor(tiles + [[-1, 0, 0, 0]], dtype=torch.int32)
-    query = torch.randn(120, groups * per_group, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+    query = torch.randn(140, groups * per_group, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
     chunk = Chunk(tables=tables, blocks=None, offsets=None, tiles=tiles, sequences=sequences)
     k, v, scales = cache.layer(0)
     expected = paged_attention._chunk_reference(query, k, v, chunk, scales, window)
-    got = kernels.chunk(query, k, v, tables, tiles, scales, window)
+    got = kernels.chunk(query, k, v, tables, tiles, scales, window, splits)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
-    assert not got[111:].any()  # padding queries no tile covers
+    assert not got[131:].any()  # padding queries no tile covers

@@ -11,9 +11,9 @@ from exporter.llm.config import DecoderConfig
 from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.paged_attention import FP8_DTYPE, PagedBatch, PagedKVCache, paged_attention
-from exporter.runtime.cuda_graphs import Piece
+from exporter.runtime.cuda_graphs import Piece, chunk_bucket_sizes
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
-from exporter.runtime.scheduler import Scheduler, generate
+from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, generate
 from support.decoders import (
     LONG_CONFIG,
     SCHEDULER_VOCAB,
@@ -21,7 +21,7 @@ from support.decoders import (
     random_ids,
     unit_scale_decoder,
 )
-from support.decoding import reference_beam_search, run_until_idle, static_greedy
+from support.decoding import record_steps, reference_beam_search, run_until_idle, static_greedy
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +105,7 @@ def test_chunked_prefill_equals_unchunked_while_others_decode(model):
     """Prompts prefilled a few positions per step, joining requests that decode meanwhile: the same tokens, and
     no step prefills more than max_num_tokens positions."""
     scheduler = _scheduler(model, max_num_tokens=6)
-    chunks: list[int] = []
-    launch = scheduler.forward.launch
-
-    def counting(rows, furthest, pieces=(), *args, **kwargs):
-        chunks.append(sum(len(piece.embeds) for piece in pieces))
-        return launch(rows, furthest, pieces, *args, **kwargs)
-
-    scheduler.forward.launch = counting
+    steps = record_steps(scheduler)
     early = random_ids(20, 5)
     handles = [(early, scheduler.submit(_embeds(model, early), early, SamplingParams(max_output_len=30)))]
     for _ in range(3):
@@ -121,10 +114,62 @@ def test_chunked_prefill_equals_unchunked_while_others_decode(model):
         ids = random_ids(seed, length)
         handles.append((ids, scheduler.submit(_embeds(model, ids), ids, SamplingParams(max_output_len=8))))
     run_until_idle(scheduler)
+    chunks = [chunk for _, chunk in steps]
     assert max(chunks) <= 6 and sum(chunks) == 5 + 23 + 40 + 9
     for ids, handle in handles:
         assert handle.result(timeout=0) == static_greedy(model, _embeds(model, ids), len(handle.result(timeout=0)))
     assert scheduler.prefilled_positions == 5 + 23 + 40 + 9 and scheduler.reused_positions == 0
+
+
+def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_most_the_decode_budget(model):
+    """The chunk policy (``Scheduler.chunk_budget``): alone, a prompt is prefilled ``max_num_tokens`` positions a
+    step; while a row decodes, at most ``DECODE_CHUNK_TOKENS`` (attention cost left out here, so the chunks are the budgets).
+    The tokens stay the static cache's, and the warm-up's graphs cover every step taken."""
+    assert _scheduler(model, max_num_tokens=100).chunk_budget(decoding=True) == 100  # max_num_tokens: a hard cap
+    scheduler = _scheduler(model, block_size=16, max_num_tokens=600, max_slots=2, max_seq_len=1100)
+    assert scheduler.chunk_budget(decoding=False) == 600
+    assert scheduler.chunk_budget(decoding=True) == DECODE_CHUNK_TOKENS == 384
+    scheduler.key_equivalent = float("inf")
+    steps = record_steps(scheduler)
+    alone = random_ids(30, 1000)
+    handle = scheduler.submit(_embeds(model, alone), alone, SamplingParams(max_output_len=3))
+    run_until_idle(scheduler)
+    assert [chunk for rows, chunk in steps if chunk] == [600, 400]
+    assert handle.result(timeout=0) == static_greedy(model, _embeds(model, alone), 3)
+
+    steps.clear()
+    short = random_ids(31, 10)
+    decoding = scheduler.submit(_embeds(model, short), short, SamplingParams(max_output_len=40))
+    scheduler.step()
+    beside = random_ids(32, 1000)
+    late = scheduler.submit(_embeds(model, beside), beside, SamplingParams(max_output_len=3))
+    run_until_idle(scheduler)
+    assert [chunk for rows, chunk in steps if chunk and rows] == [384, 384, 232]
+    assert late.result(timeout=0) == static_greedy(model, _embeds(model, beside), 3)
+    assert decoding.result(timeout=0) == static_greedy(model, _embeds(model, short), 40)
+
+    # warm_up captures every (row bucket, chunk bucket) those steps took, and no 600-token chunk beside rows
+    forward = scheduler.forward
+    captured = {key[:2] for key in forward.capture_keys(scheduler.chunk_budget(decoding=True))}
+    for rows, chunk in steps:
+        bucket = next(b for b in forward.buckets if b >= rows) if rows else 0
+        assert (bucket, next(c for c in forward.chunk_buckets if c >= chunk) if chunk else 0) in captured
+    assert (0, 600) in captured and (1, 600) not in captured and (1, 384) in captured
+    # the default cap's buckets: an image prompt of ~600 positions pads to 640, not to the next power of two
+    assert chunk_bucket_sizes(2048) == [32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048]
+
+
+def test_a_request_takes_no_decode_step_past_its_last_token(model):
+    """A request queued up to max_output_len is not launched again (the step once computed and dropped after the
+    last token would hold the device from the next request): one token takes no decode step, n tokens n - 1."""
+    scheduler = _scheduler(model)
+    for length in (1, 5):
+        ids = random_ids(40 + length, 12)
+        before = scheduler.decode_steps
+        handle = scheduler.submit(_embeds(model, ids), ids, SamplingParams(max_output_len=length))
+        run_until_idle(scheduler)
+        assert handle.result(timeout=0) == static_greedy(model, _embeds(model, ids), length)
+        assert scheduler.decode_steps - before == length - 1
 
 
 def test_a_16k_position_prompt_through_chunks_equals_the_static_cache(model):

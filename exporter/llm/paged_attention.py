@@ -72,7 +72,8 @@ class Chunk:
 
     `blocks`/`offsets` `[C]` are each chunk token's write slot (the null block for padding); `tiles [T, 4]` int32 cut
     the sequences into kernel programs of at most `paged_triton.CHUNK_TILE` queries (sequence or -1, first, count,
-    start); `sequences` is the same on the host, `(first, count, start)` per sequence, for the reference path.
+    start); `sequences` is the same on the host, `(first, count, start)` per sequence, for the reference path;
+    `splits`: how many parts the chunk kernel cuts each tile's keys into.
     """
 
     tables: Tensor
@@ -80,6 +81,7 @@ class Chunk:
     offsets: Tensor
     tiles: Tensor
     sequences: tuple[tuple[int, int, int], ...]
+    splits: int = 1
 
 
 @dataclass
@@ -134,7 +136,7 @@ def paged_attention(q: Tensor, layer: int, batch: PagedBatch, window: int | None
         chunk_q = q[batch.rows:]
         chunk = batch.chunk
         if kernels:
-            parts.append(paged_triton.chunk(chunk_q, k, v, chunk.tables, chunk.tiles, scales, window))
+            parts.append(paged_triton.chunk(chunk_q, k, v, chunk.tables, chunk.tiles, scales, window, chunk.splits))
         else:
             parts.append(_chunk_reference(chunk_q, k, v, chunk, scales, window))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -3,7 +3,11 @@
 The cache of one layer is `k, v [blocks, block_size, kv_heads, head_dim]`; a row's key at position `p` sits in block
 `tables[row, p // block_size]` at offset `p % block_size`. Both kernels read each row's block table and lengths
 from tensors (no host value), so they can be captured in CUDA graphs, keep the softmax online in float32, and
-dequantize float8 blocks (value = stored * scale, one scale per KV head) as they load them.
+dequantize float8 blocks (value = stored * scale, one scale per KV head) as they load them: the stored e4m3 values
+are converted once, to float16 (one packed instruction per two values; to bfloat16 it takes three), with bfloat16
+or float16 queries multiplied in float16 (`_compute_q`), and the scales are folded into the score scale and the
+final output, never applied per element. A float8 cache's decode tiles take twice the positions of a 16-bit one's
+(the same bytes per iteration).
 
 - `decode`: one query token per row. A program takes one (row, KV head, split): it loads each key and value
   block once for all the query heads of that KV head (GQA), over its share of the row's positions. With
@@ -63,27 +67,28 @@ def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, s
                   BS=k.shape[1], FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0))
     scale = _LOG2E / math.sqrt(dim)
+    kernel = _decode_tuned_fp8 if fp8 else _decode_tuned
     if splits <= 1:
-        _decode_tuned[(rows, groups, 1)](q, k, v, tables, positions, k_scale, v_scale, out, out, *strides,
-                                         out.stride(0), out.stride(1), 0, tables.shape[1], window or 0, scale,
-                                         triton.next_power_of_2(rows), SPLITS=1, **common)
+        kernel[(rows, groups, 1)](q, k, v, tables, positions, k_scale, v_scale, out, out, *strides, out.stride(0),
+                                  out.stride(1), 0, tables.shape[1], window or 0, scale, triton.next_power_of_2(rows),
+                                  SPLITS=1, **common)
         return out
     partial = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
-    _decode_tuned[(rows, groups, splits)](q, k, v, tables, positions, k_scale, v_scale, partial, lse, *strides,
-                                          partial.stride(0), partial.stride(1), partial.stride(2), tables.shape[1],
-                                          window or 0, scale, triton.next_power_of_2(rows), SPLITS=splits, **common)
-    _paged_merge_kernel[(rows, heads)](partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
-                                 out.stride(0), out.stride(1), SPLITS=splits,
-                                 SP=triton.next_power_of_2(splits), D=dim, DP=_padded(dim))
+    kernel[(rows, groups, splits)](q, k, v, tables, positions, k_scale, v_scale, partial, lse, *strides,
+                                   partial.stride(0), partial.stride(1), partial.stride(2), tables.shape[1],
+                                   window or 0, scale, triton.next_power_of_2(rows), SPLITS=splits, **common)
+    _merge(partial, lse, out, splits)
     return out
 
 
 def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales: Tensor | None,
-          window: int | None) -> Tensor:
+          window: int | None, splits: int = 1) -> Tensor:
     """Causal attention of prompt positions `q [C, heads, d]` over their rows' blocks. `tiles [T, 4]` int32: per
     program (sequence s or -1, first query index, query count <= CHUNK_TILE, position of that first query);
-    sequence s reads blocks `tables[s]`. Queries no tile covers come back as zeros."""
+    sequence s reads blocks `tables[s]`. With `splits > 1` each tile's keys are cut into that many parts merged
+    afterwards (a few tiles over a long prefix still keep every SM busy). Queries no tile covers come back as
+    zeros."""
     q = q.contiguous()
     tokens, heads, dim = q.shape
     groups = k.shape[2]
@@ -92,16 +97,41 @@ def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales
         return out
     fp8 = scales is not None
     k_scale, v_scale = (scales[0], scales[1]) if fp8 else (q, q)
-    _chunk_tuned[(tiles.shape[0], heads)](
-        q, k, v, tables, tiles, k_scale, v_scale, out, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        k.stride(2), tables.stride(0), out.stride(0), out.stride(1), tables.shape[1], window or 0,
-        _LOG2E / math.sqrt(dim), QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1], BLOCK_M=CHUNK_TILE,
-        FP8=fp8,
+    if splits <= 1:
+        target, lse, target_strides = out, out, (out.stride(0), out.stride(1), 0)
+    else:  # every split's partial output; queries no tile covers keep no weight (-inf) and merge to zeros
+        target = torch.empty(tokens, heads, splits, dim, dtype=torch.float32, device=q.device)
+        lse = torch.full((tokens, heads, splits), float("-inf"), dtype=torch.float32, device=q.device)
+        target_strides = (target.stride(0), target.stride(1), target.stride(2))
+    _chunk_tuned[(tiles.shape[0], heads, splits)](
+        q, k, v, tables, tiles, k_scale, v_scale, target, lse, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        k.stride(2), tables.stride(0), *target_strides, tables.shape[1], window or 0, _LOG2E / math.sqrt(dim),
+        QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1], BLOCK_M=CHUNK_TILE, SPLITS=splits, FP8=fp8,
         WINDOWED=window is not None, PRECISION=_precision(q.dtype))
+    if splits > 1:
+        _merge(target, lse, out, splits)
     return out
 
 
+def _merge(partial: Tensor, lse: Tensor, out: Tensor, splits: int) -> None:
+    """`out [N, heads, d]`: each split's partial output `[N, heads, splits, d]` weighted by its softmax mass."""
+    rows, heads, dim = out.shape
+    _paged_merge_kernel[(rows, heads)](partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
+                                       out.stride(0), out.stride(1), SPLITS=splits, SP=triton.next_power_of_2(splits),
+                                       D=dim, DP=_padded(dim))
+
+
 if triton is not None:
+
+    @triton.jit
+    def _compute_q(q, FP8: tl.constexpr):
+        """The queries in the type the scores are computed in: with a float8 cache, 16-bit queries as float16 (the
+        e4m3 keys and values convert to it in one instruction; float16 holds bfloat16's bits but for magnitudes
+        over 65504, clamped), float32 ones unchanged; else as they are."""
+        if FP8:
+            if q.dtype != tl.float32:
+                q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        return q
 
     @triton.jit
     def _softmax_start(scale, k_scale_ptr, group, ROWS: tl.constexpr, DP: tl.constexpr, FP8: tl.constexpr):
@@ -122,10 +152,14 @@ if triton is not None:
     @triton.jit
     def _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, allowed, group, max_blocks, stride_kb, stride_kt,
                       stride_kh, d, d_ok, qk_scale, m, total, acc, BS: tl.constexpr, FP8: tl.constexpr,
-                      PRECISION: tl.constexpr):
+                      PRECISION: tl.constexpr, MASKED: tl.constexpr = True):
         """One online-softmax update of `q`'s rows with the keys and values at positions `keys` of one KV head of a
-        row (`allowed`: which (query, key) pairs count); returns the running max, sum and output."""
-        key_ok = tl.max(allowed.to(tl.int32), 0) > 0
+        row (`allowed`: which (query, key) pairs count; not `MASKED`: every pair, `allowed` unread); returns the
+        running max, sum and output."""
+        if MASKED:
+            key_ok = tl.max(allowed.to(tl.int32), 0) > 0
+        else:
+            key_ok = keys >= 0
         page = tl.minimum(keys // BS, max_blocks - 1)
         block = tl.load(tables_ptr + table_row + page, mask=key_ok, other=0).to(tl.int64)
         offsets = block * stride_kb + (keys % BS).to(tl.int64) * stride_kt + group * stride_kh
@@ -133,9 +167,10 @@ if triton is not None:
         k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
         v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
         if FP8:
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's compute type (float16, see _compute_q)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        s = tl.where(allowed, s, float("-inf"))
+        if MASKED:
+            s = tl.where(allowed, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
@@ -170,6 +205,7 @@ if triton is not None:
         d_ok = d < D
         q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
                     mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+        q = _compute_q(q, FP8)
         qk_scale, m, total, acc = _softmax_start(scale, k_scale_ptr, group, QP, DP, FP8)
         table_row = row.to(tl.int64) * stride_tr
         for start in range(lo, hi, BLOCK_N):
@@ -198,26 +234,28 @@ if triton is not None:
         split_ok = split < SPLITS
         lse = tl.load(lse_ptr + (row * tl.num_programs(1) + head) * SPLITS + split, mask=split_ok,
                       other=float("-inf"))
-        weight = tl.exp2(lse - tl.max(lse, 0))
-        weight = tl.where(split_ok, weight, 0.0)
+        used = split_ok & (lse > float("-inf"))  # splits that saw a key (a chunk's uncovered query: none)
+        weight = tl.where(used, tl.exp2(lse - tl.maximum(tl.max(lse, 0), -1e30)), 0.0)
         d = tl.arange(0, DP)
         d_ok = d < D
         partial = tl.load(partial_ptr + row.to(tl.int64) * stride_pr + head * stride_ph
-                          + split[:, None] * stride_ps + d[None, :], mask=split_ok[:, None] & d_ok[None, :],
-                          other=0.0)
-        out = tl.sum(partial * weight[:, None], 0) / tl.sum(weight, 0)
+                          + split[:, None] * stride_ps + d[None, :], mask=used[:, None] & d_ok[None, :], other=0.0)
+        mass = tl.sum(weight, 0)
+        out = tl.sum(partial * weight[:, None], 0) / tl.where(mass > 0, mass, 1.0)
         tl.store(out_ptr + row.to(tl.int64) * stride_or + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
                  mask=d_ok)
 
     @triton.jit
-    def _paged_chunk_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr, out_ptr, stride_qt,
-                            stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_ot, stride_oh, max_blocks,
-                            window, scale, QPG: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
+    def _paged_chunk_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
+                            stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_ot, stride_oh,
+                            stride_os, max_blocks, window, scale, QPG: tl.constexpr, D: tl.constexpr,
+                            DP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            SPLITS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
                             PRECISION: tl.constexpr):
-        """One (query tile, head): causal online softmax over the tile's row up to each query's position."""
+        """One (query tile, head, split): causal online softmax over the split's share of the tile's keys."""
         tile = tl.program_id(0)
         head = tl.program_id(1)
+        split = tl.program_id(2)
         sequence = tl.load(tiles_ptr + tile * 4)
         if sequence >= 0:
             first = tl.load(tiles_ptr + tile * 4 + 1)
@@ -232,23 +270,43 @@ if triton is not None:
             tokens = (first + rows).to(tl.int64)
             q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
                         mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            q = _compute_q(q, FP8)
             end = start + count
             lo = 0
             if WINDOWED:
                 lo = (tl.maximum(start - window, 0) // BLOCK_N) * BLOCK_N
             qk_scale, m, total, acc = _softmax_start(scale, k_scale_ptr, group, BLOCK_M, DP, FP8)
             table_row = sequence.to(tl.int64) * stride_tr
-            for key_start in range(lo, end, BLOCK_N):
+            # whole key tiles before the tile's first query: every query attends to every key, no mask to apply
+            # (padding queries compute on zeros and are not stored)
+            diagonal = lo
+            if not WINDOWED:
+                diagonal = (start // BLOCK_N) * BLOCK_N
+            per_split = tl.cdiv(tl.cdiv(end - lo, BLOCK_N), SPLITS) * BLOCK_N
+            lo = lo + split * per_split
+            hi = tl.minimum(lo + per_split, end)
+            for key_start in range(lo, tl.minimum(hi, diagonal), BLOCK_N):
                 keys = key_start + tl.arange(0, BLOCK_N)
-                allowed = (keys < end)[None, :] & (keys[None, :] <= query_positions[:, None]) & row_ok[:, None]
+                m, total, acc = _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, keys[None, :] >= 0,
+                                              group, max_blocks, stride_kb, stride_kt, stride_kh, d, d_ok, qk_scale,
+                                              m, total, acc, BS, FP8, PRECISION, MASKED=False)
+            for key_start in range(tl.maximum(lo, diagonal), hi, BLOCK_N):
+                keys = key_start + tl.arange(0, BLOCK_N)
+                allowed = (keys < hi)[None, :] & (keys[None, :] <= query_positions[:, None]) & row_ok[:, None]
                 if WINDOWED:
                     allowed = allowed & (keys[None, :] >= query_positions[:, None] - window)
                 m, total, acc = _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, allowed, group,
                                               max_blocks, stride_kb, stride_kt, stride_kh, d, d_ok, qk_scale, m,
                                               total, acc, BS, FP8, PRECISION)
+            found = total > 0
             acc = _softmax_end(acc, total, v_scale_ptr, group, FP8)
-            tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
-                     acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            out = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + split * stride_os + d[None, :]
+            if SPLITS == 1:
+                tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+            else:
+                tl.store(out, acc, mask=row_ok[:, None] & d_ok[None, :])
+                lse = tl.where(found, m + tl.log2(tl.where(found, total, 1.0)), float("-inf"))
+                tl.store(lse_ptr + (tokens * tl.num_programs(1) + head) * SPLITS + split, lse, mask=row_ok)
 
     # Decode reads the cache once: the configurations vary the keys per iteration and the pipelining depth that
     # keep HBM busy (H100: 64-128 keys of 128-dim bf16 per iteration, 2-4 stages; float8 halves the bytes).
@@ -257,15 +315,22 @@ if triton is not None:
         for n, warps, stages in ((64, 4, 3), (32, 2, 3), (32, 4, 4), (64, 4, 2), (64, 8, 3), (128, 4, 2),
                                  (128, 8, 2), (128, 8, 3), (256, 8, 2))
     ]
+    # A float8 cache: the same shapes with twice the positions per iteration (the same bytes in flight).
+    _DECODE_FP8_CONFIGS = [
+        triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
+        for n, warps, stages in ((128, 4, 3), (64, 2, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (256, 4, 2),
+                                 (256, 8, 2), (256, 8, 3), (512, 8, 2))
+    ]
     _CHUNK_CONFIGS = [
         triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
         for n, warps, stages in ((64, 4, 2), (32, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 8, 3))
     ]
     # The interpreter (TRITON_INTERPRET=1, CPU checks) cannot time configurations: it runs the first.
-    _decode_tuned = triton.autotune(
-        configs=_DECODE_CONFIGS[:1] if _INTERPRETED else _DECODE_CONFIGS,
-        key=["row_bucket", "QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"],
-    )(_paged_decode_kernel)
+    _decode_tuned, _decode_tuned_fp8 = (
+        triton.autotune(configs=configs[:1] if _INTERPRETED else configs,
+                        key=["row_bucket", "QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"])(_paged_decode_kernel)
+        for configs in (_DECODE_CONFIGS, _DECODE_FP8_CONFIGS))
     _chunk_tuned = triton.autotune(
-        configs=_CHUNK_CONFIGS[:1] if _INTERPRETED else _CHUNK_CONFIGS, key=["QPG", "D", "BS", "FP8", "stride_kt"],
+        configs=_CHUNK_CONFIGS[:1] if _INTERPRETED else _CHUNK_CONFIGS,
+        key=["QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"],
     )(_paged_chunk_kernel)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,20 +34,23 @@ def bucket_sizes(limit: int) -> list[int]:
 
 
 def chunk_bucket_sizes(limit: int) -> list[int]:
-    """The padded chunk sizes a step is captured for: powers of two from 32 below ``limit``, and ``limit``."""
+    """The padded chunk sizes a step is captured for, up to ``limit`` (always included): powers of two from 32 to
+    256, then every 128 up to 1024 and every 256 beyond, so that a lone prompt's chunk (an image prompt of ~600
+    positions: 640) computes little padding."""
     sizes, size = {limit}, SHORTEST_CHUNK
     while size < limit:
         sizes.add(size)
-        size *= 2
+        size = size * 2 if size < 256 else size + (128 if size < 1024 else 256)
     return sorted(sizes)
 
 
-def decode_splits(rows: int, kv_heads: int, device: torch.device) -> int:
-    """Parts each decode row's positions are cut into: enough (row, KV head, part) programs for two per SM."""
+def decode_splits(rows: int, heads: int, device: torch.device) -> int:
+    """Parts the attention kernel cuts the keys of each of its ``rows x heads`` programs into (decode: rows and KV
+    heads; a chunk: query tiles and heads): enough programs for two per SM."""
     if device.type != "cuda":
         return 1
     programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLITS, -(-programs // (rows * kv_heads))))
+    return max(1, min(MAX_SPLITS, -(-programs // (rows * heads))))
 
 
 def capture(fn: Callable[[], Any], pool: tuple) -> tuple[torch.cuda.CUDAGraph, Any]:
@@ -320,17 +323,25 @@ class ForwardStep:
         self._share_inputs(beams, layout, chunk)
         self._run(rows, furthest, chunk, key, full, lora, beams, beams_from)
 
-    def capture_all(self) -> None:
-        """Capture every (row bucket, chunk bucket, choice, LoRA) graph now, so no request waits for one later
-        (before any request: the captures run steps on the rows)."""
-        for rows in [0, *self.buckets] if self.enabled else ():
-            for padded in [0, *self.chunk_buckets]:
-                for full in ((False, True) if rows else (False,)):
-                    for lora in (False, True) if self.adapters is not None else (False,):
-                        if (rows or padded) and (rows, padded, full, lora) not in self.graphs:
-                            if self.tp is not None:
-                                self.tp.send(("capture", self.id, (rows, padded, full, lora)))
-                            self._capture(rows, padded, full, lora)
+    def capture_all(self, max_chunk_with_rows: int | None = None) -> None:
+        """Capture every step graph of ``capture_keys`` now, so no request waits for one later (before any
+        request: the captures run steps on the rows)."""
+        for key in self.capture_keys(max_chunk_with_rows) if self.enabled else ():
+            if key not in self.graphs:
+                if self.tp is not None:
+                    self.tp.send(("capture", self.id, key))
+                self._capture(*key)
+
+    def capture_keys(self, max_chunk_with_rows: int | None = None) -> list[tuple[int, int, bool, bool]]:
+        """Every (row bucket, chunk bucket, choice, LoRA) a step can take; with decode rows, only the chunk buckets
+        that hold ``max_chunk_with_rows`` tokens or fewer (the scheduler's chunks beside decoding rows)."""
+        beside = self.chunk_buckets[-1] if max_chunk_with_rows is None else \
+            next((c for c in self.chunk_buckets if c >= max_chunk_with_rows), self.chunk_buckets[-1])
+        return [(rows, padded, full, lora)
+                for rows in [0, *self.buckets]
+                for padded in [0, *self.chunk_buckets] if (rows or padded) and (not rows or padded <= beside)
+                for full in ((False, True) if rows else (False,))
+                for lora in ((False, True) if self.adapters is not None else (False,))]
 
     @property
     def graph_count(self) -> int:
@@ -369,8 +380,13 @@ class ForwardStep:
             positions.append(chunk.positions)
             adapters.append(chunk.adapters)
             output_index = torch.cat([torch.arange(rows, device=chunk.outputs.device), rows + chunk.outputs])
+        prompt = None
+        if chunk is not None:  # its kernel's splits: as many as its tokens in whole query tiles need
+            tiles = -(-len(chunk.positions) // CHUNK_TILE)
+            prompt = replace(chunk.chunk, splits=decode_splits(tiles, self.model.config.num_attention_heads,
+                                                               self.model.device))
         batch = PagedBatch(self.cache, rows, self.tables, state[POSITION, :rows], span,
-                           self.splits.get(rows, 1), None if chunk is None else chunk.chunk)
+                           self.splits.get(rows, 1), prompt)
         logits = self.model(self._embeddings(embeds)[:, None], torch.cat(positions)[:, None], batch,
                             output_index=output_index, adapters=torch.cat(adapters) if lora else None)[:, 0]
         if rows and (self.tp is None or self.tp.leader):

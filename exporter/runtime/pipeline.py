@@ -7,9 +7,11 @@ decode steps.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
-from collections.abc import Callable, Generator
+import time
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,6 +23,10 @@ from ..models import PromptLayout
 from .feature_cache import FeatureCache, media_key
 from .kv_cache import KVCacheOptions
 from .scheduler import Handle, Scheduler
+
+
+# the host phases ``Pipeline.on_phase`` reports, in the order a request meets them
+PHASES = ("media decode", "media hash", "preprocess", "encoder", "encoder cache hit", "tokenize", "embed", "submit")
 
 
 @dataclass
@@ -65,7 +71,8 @@ class Pipeline:
     taken from ``feature_cache``. ``kv_cache`` and ``max_num_tokens`` configure the scheduler's KV cache and
     chunked prefill (see :class:`Scheduler`); a prompt that starts like an earlier one (same token ids, same media
     by content) reuses its cached blocks. Each function in ``submitted`` is called with every request's scheduler
-    handle as it is submitted (the server's metrics time requests by them).
+    handle as it is submitted (the server's metrics time requests by them). ``on_phase``, when set, is called
+    with each host phase of a batch's preparation and its seconds (one of ``PHASES``; the benches' TTFT breakdown).
     """
 
     def __init__(self, engine: Engine, feature_cache: FeatureCache | None = None,
@@ -86,10 +93,21 @@ class Pipeline:
         self.scheduler.start()
         self._encoder_lock = threading.Lock()  # the encoder (and its CUDA graphs) serve one batch at a time
         self.submitted: list[Callable[[Handle], None]] = []  # observers of each request's handle (server metrics)
+        self.on_phase: Callable[[str, float], None] | None = None
 
     def close(self) -> None:
         """Stop the scheduler's thread."""
         self.scheduler.stop()
+
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        """Report the seconds the block takes to ``on_phase`` as phase ``name``."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.on_phase is not None:
+                self.on_phase(name, time.perf_counter() - start)
 
     def run(self, requests: list[Request]) -> list[Completion | Exception]:
         prepared = self._prepare(requests)
@@ -98,7 +116,8 @@ class Pipeline:
         for i, p in enumerate(prepared):
             if isinstance(p, _Prepared):
                 try:
-                    handles[i] = self._submit(p)
+                    with self._phase("submit"):
+                        handles[i] = self._submit(p)
                 except Exception as error:  # noqa: BLE001 - reported per request
                     results[i] = error
         for i, handle in handles.items():
@@ -153,17 +172,21 @@ class Pipeline:
         for i, items in self._encode(media_items).items():
             request = requests[i]
             try:
+                start = time.perf_counter()
                 template = self.engine.template if request.system is None else replace(self.engine.template,
                                                                                       system=request.system)
                 layout = self.engine.perception.layout(request.text, items, self.engine.tokenizer, template,
                                                        request.apply_chat_template)
                 media_len = sum(int(block.shape[0]) for block in items)
                 self.engine.limits.check_request(layout.length, media_len, request.params.max_output_len)
+                if self.on_phase is not None:
+                    self.on_phase("tokenize", time.perf_counter() - start)
                 params = replace(request.params,
                                  stop_token_ids=tuple({*request.params.stop_token_ids, *self.stop_token_ids}))
                 keys = [item.key for item in media_items[i]]
-                results[i] = _Prepared(self._embed(layout), layout, params, prompt_prefix(layout, keys),
-                                       request.lora_uid)
+                with self._phase("embed"):
+                    embeds = self._embed(layout)
+                results[i] = _Prepared(embeds, layout, params, prompt_prefix(layout, keys), request.lora_uid)
             except Exception as error:  # noqa: BLE001 - reported per request
                 results[i] = error
         return results  # type: ignore[return-value]
@@ -178,12 +201,15 @@ class Pipeline:
     def _load_media(self, media: Any) -> list[_MediaItem]:
         """Each media item's cache key and cached block, and its encoder input unless every item was cached."""
         perception = self.engine.perception
-        raw = perception.media_items(media)
-        keys = [media_key(item) for item in raw] if raw is not None else []
+        with self._phase("media decode"):
+            raw = perception.media_items(media)
+        with self._phase("media hash"):
+            keys = [media_key(item) for item in raw] if raw is not None else []
         cached = [self.feature_cache.get(key) if key is not None else None for key in keys]
         if raw is not None and all(block is not None for block in cached):
             return [_MediaItem(key, block, None) for key, block in zip(keys, cached)]
-        inputs = perception.load_media(media)
+        with self._phase("preprocess"):
+            inputs = perception.load_media(media)
         if raw is None:
             return [_MediaItem(None, None, item) for item in inputs]
         return [_MediaItem(key, block, item) for key, block, item in zip(keys, cached, inputs, strict=True)]
@@ -196,7 +222,7 @@ class Pipeline:
             for n, item in enumerate(media_items[i]):
                 if item.block is None:
                     pending.setdefault(item.key or (i, n), item.inputs)
-        with self._encoder_lock:
+        with self._encoder_lock, self._phase("encoder" if pending else "encoder cache hit"):
             blocks = self.engine.perception.encode(list(pending.values())) if pending else []
         encoded = dict(zip(pending, blocks))
         for slot, block in encoded.items():

@@ -7,18 +7,19 @@ first served while rows and blocks are free; the others wait. A prompt whose lea
 already computed (same token ids and media, see ``prefix``) takes those blocks instead of computing them.
 
 Each iteration (``step``) admits waiting requests, queues one forward that holds a decode token for every
-decoding row and a chunk of the admitted prompts (at most ``max_num_tokens`` prompt positions, so a long prompt
-is prefilled over several steps while the others keep decoding), chooses the first tokens of the prompts that
-chunk completed, and then reads back what the iteration before queued: each request takes its token (a beam search
+decoding row and a chunk of the admitted prompts (at most ``max_num_tokens`` prompt positions, and fewer while rows
+decode, ``chunk_budget``, so a long prompt is prefilled over several steps while the others keep decoding),
+chooses the first tokens of the prompts that chunk completed, and then reads back what the iteration before queued: each request takes its token (a beam search
 its candidates), streams it and finishes, releasing its rows and blocks at once. The decode rows of a step are
 ``[0, bucket)``, the smallest captured batch size that holds every decoding row, so on CUDA each step replays a CUDA
 graph (see ``cuda_graphs``).
 
 Every row's next token is chosen on the device (``exporter.llm.sampling``: greedy, sampled and beam rows alike), so
 the next step is always queued before the host reads the current one and the device does not wait for the host's
-bookkeeping. A request that ends meanwhile has one extra step computed and dropped. The device cannot read text:
-when a stop string ends a beam that the device continued, the host rebuilds that search's rows (each beam's tokens
-computed again after the prompt) and the search skips the step queued meanwhile.
+bookkeeping. A request that ends meanwhile (an end token, a stop) has one extra step computed and dropped; one whose
+last token (``max_output_len``) is queued takes no further step, so the device is free for the next request. The
+device cannot read text: when a stop string ends a beam that the device continued, the host rebuilds that search's
+rows (each beam's tokens computed again after the prompt) and the search skips the step queued meanwhile.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ class Handle:
     adapter: int = 0  # the LoRA slot its rows decode with (0: none)
     release_adapter: Callable[[], None] | None = None  # gives the LoRA slot back when the request ends
     submitted_at: float = field(default_factory=time.monotonic)  # time.monotonic() of each milestone
+    admitted_at: float | None = None  # given its rows and blocks
+    prompt_queued_at: float | None = None  # its prompt's last chunk and first token choice queued on the device
     first_token_at: float | None = None
     finished_at: float | None = None
     block_keys: list[bytes] = field(default_factory=list)  # prefix keys of the prompt's full blocks (for reuse)
@@ -159,6 +162,12 @@ class _Running:
         return range(self.first_row, self.first_row + self.width)
 
     @property
+    def tokens_left(self) -> bool:
+        """Whether a decode step still has a token to compute for it: the prompt's launch chose the first token,
+        each decode step launched since one more; at ``max_output_len`` it waits only to be read."""
+        return self.position - len(self.handle.prompt) + 1 < self.handle.params.max_output_len
+
+    @property
     def plain(self) -> bool:
         """Greedy without a penalty or beams: an argmax is its whole choice."""
         params = self.handle.params
@@ -177,7 +186,12 @@ class _Launched:
     iteration: int
 
 
-DEFAULT_MAX_NUM_TOKENS = 512
+DEFAULT_MAX_NUM_TOKENS = 2048  # a lone prompt's chunk: 600-position image prompts in one step, 16k in ~13
+# A step's prompt chunk beside decoding rows: its matrix products are compute-bound (a 7B model: ~14 GFLOP a
+# position, ~9 ms for 384 positions on an H100 at ~600 TFLOP/s; a 16-row decode step takes 7.7 ms, its weight read
+# 4.5 of them, shared), so the decoding rows' step stays within ~1.8x a plain one, while a 16k prompt beside them
+# takes ~70 steps (256: ~107, a time to first token ~1.7x its lone prefill's, over the 1.3x asked).
+DECODE_CHUNK_TOKENS = 384
 
 
 class Scheduler:
@@ -187,7 +201,8 @@ class Scheduler:
     Drive it with ``step()`` from one thread, or ``start()`` a background loop and ``submit`` from any thread.
     Callbacks run on the stepping thread; a callback that raises ends its own request with that error.
     ``max_beam_width`` is the widest beam search served (at most ``max_slots``). ``max_num_tokens`` caps the prompt
-    positions one step prefills (weighted by the keys they attend to, see ``chunk_cost``). ``kv_cache_scales``
+    positions one step prefills (weighted by the keys they attend to, see ``chunk_cost``; beside decoding rows at
+    most ``decode_chunk_tokens``, ``DECODE_CHUNK_TOKENS`` unless changed, see ``chunk_budget``). ``kv_cache_scales``
     ``[layers, 2, kv_heads]`` sets a float8 cache's scales (default: calibrated on token embeddings).
     ``decode_steps`` counts the decode steps launched and ``steps_queued_ahead`` those launched while the step
     before was still unread; ``prefilled_positions`` the prompt positions computed and ``reused_positions`` those
@@ -212,6 +227,7 @@ class Scheduler:
         self.max_seq_len = max_seq_len
         self.max_beam_width = max_beam_width
         self.max_num_tokens = max_num_tokens
+        self.decode_chunk_tokens = DECODE_CHUNK_TOKENS
         self.eos_id = eos_id
         self.tokenizer = tokenizer
         self.reuse = options.enable_reuse
@@ -306,10 +322,10 @@ class Scheduler:
         self._fail_all(RequestCancelled("the scheduler stopped"))
 
     def warm_up(self) -> None:
-        """Compile and capture every step graph now (CUDA), so that no request waits for it (seconds; the graphs
-        share one memory pool)."""
+        """Compile and capture every step graph the chunk policy can produce now (CUDA), so that no request waits
+        for it (seconds; the graphs share one memory pool)."""
         with torch.inference_mode():
-            self.forward.capture_all()
+            self.forward.capture_all(max_chunk_with_rows=self.chunk_budget(decoding=True))
 
     def _loop(self) -> None:
         while True:
@@ -354,8 +370,8 @@ class Scheduler:
         returns whether work is left."""
         self._iteration += 1
         self._admit()
-        decoding = [request for request in self._requests() if request.decoding]
-        pieces = self._plan_chunk()
+        decoding = [request for request in self._requests() if request.decoding and request.tokens_left]
+        pieces = self._plan_chunk(self.chunk_budget(bool(decoding)))
         if decoding or pieces:
             self._launch(decoding, pieces)
         while self._inflight and (self._inflight[0].iteration < self._iteration or not (decoding or pieces)):
@@ -426,6 +442,7 @@ class Scheduler:
                     return
                 self.waiting.popleft()
                 request = self._running(handle, row, self._take_blocks(handle, keys, hits))
+                handle.admitted_at = time.monotonic()
                 self.slots[row:row + request.width] = [request] * request.width
                 self.prefilling.append(request)
 
@@ -493,26 +510,33 @@ class Scheduler:
                                        for ids in (targets, sources)))
         return _Running(handle, row, search, seed, blocks, prefilled=reused, registered=blocks.reused)
 
-    def _plan_chunk(self) -> list[tuple[_Running, Piece]]:
-        """The next pieces of the admitted prompts, in admission order, within ``max_num_tokens`` (the attention
-        to earlier positions counted in, ``chunk_cost``; a piece keeps at least an eighth of it, so that a long
-        prompt moves on) and ``MAX_PIECES``."""
-        budget = float(self.max_num_tokens)
-        smallest = max(1, self.max_num_tokens // 8)
+    def chunk_budget(self, decoding: bool) -> int:
+        """The prompt positions (``chunk_cost`` units) one step prefills: ``max_num_tokens`` when no row is decoding
+        (a lone prompt takes the biggest chunks, the fastest prefill), at most ``decode_chunk_tokens`` beside
+        decoding rows (so that their step, hence their time per token, grows by a bounded share).
+        ``max_num_tokens`` is a hard cap either way."""
+        return min(self.max_num_tokens, self.decode_chunk_tokens) if decoding else self.max_num_tokens
+
+    def _plan_chunk(self, budget: int) -> list[tuple[_Running, Piece]]:
+        """The next pieces of the admitted prompts, in admission order, within ``budget`` prompt positions (the
+        attention to earlier positions counted in, ``chunk_cost``; a piece keeps at least an eighth of it, so that a
+        long prompt moves on) and ``MAX_PIECES``."""
+        smallest = max(1, budget // 8)
+        remaining = float(budget)
         pieces = []
         for request in list(self.prefilling):
             if request.handle.cancelled:
                 self.prefilling.remove(request)
                 self._release(request)
                 continue
-            if len(pieces) == MAX_PIECES or budget < 1:
+            if len(pieces) == MAX_PIECES or remaining < 1:
                 break
             prompt = request.handle.prompt
             start = request.prefilled
-            count = min(len(prompt) - start, int(budget))
-            while count > smallest and chunk_cost(count, start, self.key_equivalent) > budget:
-                count = max(smallest, int(count * budget / chunk_cost(count, start, self.key_equivalent)))
-            budget -= chunk_cost(count, start, self.key_equivalent)
+            count = min(len(prompt) - start, int(remaining))
+            while count > smallest and chunk_cost(count, start, self.key_equivalent) > remaining:
+                count = max(smallest, int(count * remaining / chunk_cost(count, start, self.key_equivalent)))
+            remaining -= chunk_cost(count, start, self.key_equivalent)
             pieces.append((request, Piece(prompt[start:start + count], start, request.blocks.tables[0],
                                           request.handle.adapter)))
         return pieces
@@ -551,6 +575,7 @@ class Scheduler:
         step = LaunchedStep.read_back(self.chooser, first, per_row, width > 1)
         request.position = len(request.handle.prompt)
         request.decoding = True
+        request.handle.prompt_queued_at = time.monotonic()
         self._inflight.append(_Launched(self._count_launch(), step, [request], False, self._iteration))
 
     def _row_setups(self, request: _Running, position: int, scores: Sequence[float],

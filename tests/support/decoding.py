@@ -26,6 +26,20 @@ def run_until_idle(scheduler: Scheduler) -> int:
     return steps
 
 
+def record_steps(scheduler: Scheduler) -> list[tuple[int, int]]:
+    """From now on, each step `scheduler` launches appends (decode rows, prompt positions of its chunk) to the list
+    returned."""
+    steps: list[tuple[int, int]] = []
+    launch = scheduler.forward.launch
+
+    def recording(rows, furthest, pieces=(), *args, **kwargs):
+        steps.append((rows, sum(len(piece.embeds) for piece in pieces)))
+        return launch(rows, furthest, pieces, *args, **kwargs)
+
+    scheduler.forward.launch = recording
+    return steps
+
+
 def captured_decode_logits(model, ids: torch.Tensor, start: int, kv_scales: torch.Tensor | None = None):
     """Logits `[B, T - start, V]` of positions `start..T-1` of token rows `ids [B, T]` as the scheduler's steps
     compute them: `ids[:, :start]` prefilled as prompt pieces into a paged KV cache (float8 with `kv_scales`), then
