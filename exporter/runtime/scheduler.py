@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..engine.progress import LOGGER
 from ..llm.config import DecoderConfig
 from ..llm.generate import Answer, BeamSearch, SamplingParams, check_requests
 from ..llm.model import Decoder
@@ -242,6 +243,9 @@ class Scheduler:
         self._beam_rows: tuple[tuple[int, ...], Tensor] | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.capture_stats: dict[str, float] = {}  # warm_up's graphs and seconds, before READY and after
+        self.on_captured: Callable[[], None] | None = None  # called once the background captures are done
+        self._capture_later = False
 
     # --- submission -------------------------------------------------------------------------------------------
 
@@ -305,23 +309,54 @@ class Scheduler:
             self._thread = None
         self._fail_all(RequestCancelled("the scheduler stopped"))
 
-    def warm_up(self) -> None:
-        """Compile and capture every step graph now (CUDA), so that no request waits for it (seconds; the graphs
-        share one memory pool)."""
+    def warm_up(self, rest_in_background: bool = False) -> None:
+        """Capture the step graphs now (CUDA), so that no request waits for one (seconds; the graphs share one
+        memory pool): all of them, or with ``rest_in_background`` those a first request runs
+        (``ForwardStep.first_keys``), the others then captured one at a time by the scheduler's thread whenever it
+        is idle (a step meanwhile runs eagerly; a request arriving during a capture waits for that one graph)."""
+        started = time.perf_counter()
         with torch.inference_mode():
-            self.forward.capture_all()
+            captured = self.forward.capture_all(first_only=rest_in_background)
+        self.capture_stats.update(before=captured, before_s=time.perf_counter() - started,
+                                  left=sum(key not in self.forward.graphs for key in self.forward.graph_keys()))
+        self._capture_later = rest_in_background and self.capture_stats["left"] > 0
 
     def _loop(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self.waiting and not self._inflight and not any(self.slots):
+                while (not self._stopping and not self._capture_later and not self.waiting and not self._inflight
+                       and not any(self.slots)):
                     self._wake.wait()
                 if self._stopping:
                     return
+                idle = not self.waiting and not self._inflight and not any(self.slots)
+            if idle:
+                self._capture_one()
+                continue
             try:
                 self.step()
             except Exception as error:  # noqa: BLE001 - a failed step fails the requests in it, not the loop
                 self._fail_all(error)
+
+    def _capture_one(self) -> None:
+        """Capture the next step graph ``warm_up`` left for later (the scheduler idle); the last one logged and
+        ``on_captured`` called."""
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self._capture_later = self.forward.capture_next()
+        except Exception as error:  # noqa: BLE001 - the steps left run eagerly: slower, still right
+            LOGGER.warning("background capture of the step graphs stopped: %s: %s", type(error).__name__, error)
+            self._capture_later = False
+        stats = self.capture_stats
+        if self._capture_later:
+            stats["after"] = stats.get("after", 0) + 1
+            stats["after_s"] = stats.get("after_s", 0.0) + time.perf_counter() - started
+            return
+        LOGGER.info("phase capture the other step graphs (in the background, after READY): %.2f s (%d graphs)",
+                    stats.get("after_s", 0.0), stats.get("after", 0))
+        if self.on_captured is not None:
+            self.on_captured()
 
     def _fail_all(self, error: BaseException) -> None:
         self._inflight.clear()
