@@ -19,7 +19,7 @@ from exporter.llm.config import DecoderConfig
 from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
 from exporter.runtime import cuda_graphs
-from exporter.runtime.scheduler import Scheduler, generate
+from exporter.runtime.scheduler import CAPTURE_AFTER_IDLE_S, Scheduler, generate
 from support.decoders import SCHEDULER_CONFIG, SCHEDULER_VOCAB, make_tiny_gpt_weights
 
 
@@ -29,6 +29,7 @@ class _Captures(list):
     def __init__(self):
         super().__init__()
         self.schedulers: list[Scheduler] = []
+        self.times: list[float] = []
 
 
 class _Graph:
@@ -53,6 +54,7 @@ def captures(monkeypatch) -> _Captures:
     def capture(fn, pool):
         busy = any(scheduler.waiting or any(scheduler.slots) for scheduler in records.schedulers)
         records.append((threading.current_thread().name, busy))
+        records.times.append(time.monotonic())
         return _Graph(), None
 
     monkeypatch.setattr(cuda_graphs, "capture", capture)
@@ -123,16 +125,21 @@ def test_background_captures_wait_for_the_requests(model, captures, monkeypatch)
     scheduler = _graphed_scheduler(model, captures)
     scheduler.warm_up(rest_in_background=True)
     monkeypatch.setattr(cuda_graphs.ForwardStep, "_graph_key", lambda *args: None)  # every step eager here
-    for prompt in _prompts(model):  # queued before the thread starts: they run before any background capture
-        scheduler.submit(*prompt)
+    handles = [scheduler.submit(*prompt) for prompt in _prompts(model)]  # before the thread starts
     done = threading.Event()
     scheduler.on_captured = done.set
     scheduler.start()
     try:
+        for handle in handles:
+            handle.result(timeout=60)
+        answered = time.monotonic()
         assert done.wait(60)
     finally:
         scheduler.stop()
     assert all(not busy for _, busy in captures)  # no capture while a request was admitted or waiting
+    background = captures.times[len(scheduler.forward.first_keys()):]
+    assert background and min(background) >= answered  # none between the requests
+    assert min(background) - answered >= CAPTURE_AFTER_IDLE_S / 2  # nor right after (the next may come)
     assert scheduler.decode_steps > 0
 
 

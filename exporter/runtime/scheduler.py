@@ -179,6 +179,9 @@ class _Launched:
 
 
 DEFAULT_MAX_NUM_TOKENS = 512
+# A background capture starts once the scheduler has had nothing to do this long (requests sent one after another
+# meet no capture; one arriving during a capture waits for that graph).
+CAPTURE_AFTER_IDLE_S = 0.5
 
 
 class Scheduler:
@@ -313,7 +316,8 @@ class Scheduler:
         """Capture the step graphs now (CUDA), so that no request waits for one (seconds; the graphs share one
         memory pool): all of them, or with ``rest_in_background`` those a first request runs
         (``ForwardStep.first_keys``), the others then captured one at a time by the scheduler's thread whenever it
-        is idle (a step meanwhile runs eagerly; a request arriving during a capture waits for that one graph)."""
+        has been idle for ``CAPTURE_AFTER_IDLE_S`` (a step meanwhile runs eagerly; a request arriving during a
+        capture waits for that one graph)."""
         started = time.perf_counter()
         with torch.inference_mode():
             captured = self.forward.capture_all(first_only=rest_in_background)
@@ -322,11 +326,14 @@ class Scheduler:
         self._capture_later = rest_in_background and self.capture_stats["left"] > 0
 
     def _loop(self) -> None:
+        busy_until = time.monotonic()
         while True:
             with self._wake:
-                while (not self._stopping and not self._capture_later and not self.waiting and not self._inflight
-                       and not any(self.slots)):
-                    self._wake.wait()
+                while not self._stopping and not self.waiting and not self._inflight and not any(self.slots):
+                    wait = busy_until + CAPTURE_AFTER_IDLE_S - time.monotonic() if self._capture_later else None
+                    if wait is not None and wait <= 0:
+                        break
+                    self._wake.wait(wait)
                 if self._stopping:
                     return
                 idle = not self.waiting and not self._inflight and not any(self.slots)
@@ -337,6 +344,7 @@ class Scheduler:
                 self.step()
             except Exception as error:  # noqa: BLE001 - a failed step fails the requests in it, not the loop
                 self._fail_all(error)
+            busy_until = time.monotonic()
 
     def _capture_one(self) -> None:
         """Capture the next step graph ``warm_up`` left for later (the scheduler idle); the last one logged and
