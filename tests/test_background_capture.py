@@ -15,12 +15,11 @@ import time
 import pytest
 import torch
 
-from exporter.llm.config import DecoderConfig
 from exporter.llm.generate import SamplingParams
-from exporter.llm.model import Decoder, select_llm_weights
+from exporter.llm.model import Decoder
 from exporter.runtime import cuda_graphs
 from exporter.runtime.scheduler import CAPTURE_AFTER_IDLE_S, Scheduler, generate
-from support.decoders import SCHEDULER_CONFIG, SCHEDULER_VOCAB, make_tiny_gpt_weights
+from support.decoders import SCHEDULER_VOCAB, scheduler_decoder
 
 
 class _Captures(list):
@@ -39,11 +38,7 @@ class _Graph:
 
 @pytest.fixture(scope="module")
 def model() -> Decoder:
-    torch.manual_seed(0)
-    weights = make_tiny_gpt_weights({**SCHEDULER_CONFIG, "bias": False}, vocab=SCHEDULER_VOCAB)
-    weights = {k: v for k, v in weights.items() if not k.endswith(".bias")}
-    return Decoder.from_state_dict(DecoderConfig.from_nemo(SCHEDULER_CONFIG, vocab_size=SCHEDULER_VOCAB),
-                                   select_llm_weights(weights))
+    return scheduler_decoder()
 
 
 @pytest.fixture
