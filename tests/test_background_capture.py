@@ -81,10 +81,11 @@ def _prompts(model: Decoder) -> list[tuple[torch.Tensor, list[int], SamplingPara
     return prompts
 
 
-def test_steps_without_their_graph_run_eagerly_and_capture_nothing(model, captures):
+def test_served_steps_without_their_graph_run_eagerly_and_capture_nothing(model, captures):
     expected = [generate(model, [embeds], [ids], [params], eos_id=None)[0][0]
                 for embeds, ids, params in _prompts(model)]
     scheduler = _graphed_scheduler(model, captures)  # graphs on, none captured: no warm-up
+    scheduler.forward.capture_on_demand = False  # as a server's warm_up(rest_in_background=True) sets it
     scheduler.start()
     try:
         handles = [scheduler.submit(*prompt) for prompt in _prompts(model)]

@@ -167,9 +167,9 @@ class ForwardStep:
     (``set_adapters``, a static device tensor) and each piece with its own; a step without adapters skips the LoRA
     products. On CUDA a step is a graph captured per (row bucket, chunk bucket, full or argmax-only choice, LoRA or
     not) with the block tables, the chooser's state and the chunk's buffers as its inputs; a chunk of more than
-    ``MAX_PIECES`` pieces or ``max_chunk`` tokens, and every step elsewhere, runs eagerly. Graphs are captured
-    ahead (``capture_all``, ``capture_next``), never inside a request's step: a step whose graph is not captured
-    yet runs eagerly.
+    ``MAX_PIECES`` pieces or ``max_chunk`` tokens, and every step elsewhere, runs eagerly. A graph not captured
+    ahead (``capture_all``, ``capture_next``) is captured by the first step that needs it, or with
+    ``capture_on_demand`` off (a server, whose requests must not wait for a capture) that step runs eagerly.
 
     Tensor parallel (the model's ``tp`` set): rank 0's step tells the other ranks' twins (``follower``) what it
     does (a message, then ``_share_inputs``: the chooser's state, the tables and the chunk's metadata), and every
@@ -193,7 +193,8 @@ class ForwardStep:
         self.chunk_buckets = chunk_bucket_sizes(max_chunk)
         self.splits = {rows: decode_splits(rows, model.kv_heads, device) for rows in self.buckets}
         self.graphs: dict[tuple[int, int, bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
-        self.eager_steps = 0  # graphed steps that ran eagerly because their graph was not captured yet
+        self.capture_on_demand = True  # a step whose graph is missing captures it (else it runs eagerly)
+        self.eager_steps = 0  # steps of a captured shape that ran eagerly, their graph not captured yet
         self.adapters = None if model.lora is None else torch.zeros(tables.shape[0], dtype=torch.long, device=device)
         if self.enabled:
             self.allocate_static_inputs()
@@ -230,7 +231,7 @@ class ForwardStep:
             self.tp.share(targets, sources)
             self.cache.copy_blocks_(targets, sources)
         elif kind == "capture":
-            self._capture(*facts[0])
+            self._capture(*facts[0], filler=True)
         elif kind == "launch":
             self._follow_launch(**facts[0])
 
@@ -268,7 +269,7 @@ class ForwardStep:
         full = full and rows > 0
         lora = lora and self.adapters is not None
         key = self._graph_key(rows, pieces, tokens_in_chunk, full, lora)
-        if key not in self.graphs:  # no graph for this shape, or not captured yet (never captured inside a step)
+        if key not in self.graphs and (key is None or not self.capture_on_demand):
             self.eager_steps += key is not None
             chunk = self._chunk(pieces, tokens_in_chunk) if pieces else None
             key, decoded = None, rows
@@ -308,6 +309,8 @@ class ForwardStep:
             self._copy_beam_blocks(beam_rows, beams_from, furthest)
         if key is None:
             return self._compute(rows, chunk, full, furthest, lora)
+        if key not in self.graphs:  # captured on demand, from this step's inputs
+            self._capture(*key)
         graph, logits = self.graphs[key]
         graph.replay()
         return logits
@@ -371,7 +374,7 @@ class ForwardStep:
             return False
         if self.tp is not None:
             self.tp.send(("capture", self.id, key))
-        self._capture(*key)
+        self._capture(*key, filler=True)
         return True
 
     @property
@@ -386,15 +389,15 @@ class ForwardStep:
             self.cache.copy_blocks_(self.tables[beam_rows, first:stop].flatten().long(),
                                     self.tables[parents, first:stop].flatten().long())
 
-    def _capture(self, rows: int, padded: int, full: bool, lora: bool) -> None:
+    def _capture(self, rows: int, padded: int, full: bool, lora: bool, filler: bool = False) -> None:
         # Capturing runs the step from the current state (writing each row's cache at its own position, as the
-        # step will, and past it, where the next steps write): keep the state as it was.
+        # step will, and past it, where the next steps write): keep the state as it was. Outside a step
+        # (``filler``) the chunk is filler (the null block), not the last step's (whose blocks may be cached now).
         saved = self.chooser.snapshot()
-        chunk = None
-        if padded:  # filler metadata (the null block), not the last chunk's (whose blocks may be cached now)
+        if padded and filler:
             self.longs.zero_()
             self.ints.zero_()
-            chunk = self._static_chunk(padded)
+        chunk = self._static_chunk(padded) if padded else None
         self.graphs[(rows, padded, full, lora)] = capture(lambda: self._compute(rows, chunk, full, 0, lora),
                                                           self.pool)
         self.chooser.restore(saved)

@@ -319,6 +319,7 @@ class Scheduler:
         has been idle for ``CAPTURE_AFTER_IDLE_S`` (a step meanwhile runs eagerly; a request arriving during a
         capture waits for that one graph)."""
         started = time.perf_counter()
+        self.forward.capture_on_demand = not rest_in_background
         with torch.inference_mode():
             captured = self.forward.capture_all(first_only=rest_in_background)
         self.capture_stats.update(before=captured, before_s=time.perf_counter() - started,
