@@ -205,8 +205,12 @@ class TensorRTMMExporter(ITritonDeployable):
         with phase("warm-up: compile, choose kernels, capture graphs") as note:
             restored = kernels.restore() if kernels is not None else None
             self.pipeline = Pipeline(self.engine, kv_cache=self.kv_cache, max_num_tokens=self.max_num_tokens)
+            scheduler = self.pipeline.scheduler
+            details = [_describe_capture(scheduler.capture_stats)]
             if restored is not None:
-                note["detail"] = f"{restored.describe()}; {'saved' if kernels.save() else 'not saved'}"
+                scheduler.on_captured = kernels.save  # the background captures' choices too
+                details.append(f"{restored.describe()}; {'saved' if kernels.save() else 'not saved'}")
+            note["detail"] = "; ".join(detail for detail in details if detail)
 
     def close(self) -> None:
         """Stop serving: the scheduler, and a tensor-parallel engine's other ranks."""
@@ -371,3 +375,11 @@ def _default_device() -> str:
     import torch
 
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _describe_capture(stats: dict[str, float]) -> str:
+    """The warm-up's step graphs, for its phase line: captured before READY, and left for the background."""
+    if not stats.get("before") and not stats.get("left"):
+        return ""
+    return (f"{stats['before']:.0f} step graphs captured in {stats['before_s']:.2f} s, "
+            f"{stats['left']:.0f} left for the background")

@@ -4,6 +4,8 @@ greedy and beam answers are the CPU's."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -46,3 +48,30 @@ def test_mixed_rows_in_captured_steps_equal_each_alone():
     for prompt, params, results in zip(prompts, PARAMS, alone):
         if params.greedy or params.num_beams > 1:
             assert generate(cpu, [cpu.embed(prompt)], [prompt.tolist()], [params])[0] == results
+
+
+@torch.inference_mode()
+def test_served_warm_up_captures_the_rest_in_the_background_and_answers_stay_the_same():
+    """A server's warm-up: the first request's graphs before serving, the others by the scheduler's thread when
+    idle; requests before, during and after those captures get what they get alone."""
+    gpu = parity_decoder("cuda", torch.float32)
+    prompts = [torch.randint(3, PARITY_VOCAB, (n,), generator=torch.Generator().manual_seed(n))
+               for n in (5, 9, 14, 7, 4, 11)]
+    alone = [generate(gpu, [gpu.embed(p.cuda())], [p.tolist()], [params])[0] for p, params in zip(prompts, PARAMS)]
+    scheduler = Scheduler(gpu, max_slots=8, max_seq_len=64, eos_id=None, use_cuda_graphs=True, max_beam_width=3)
+    done = threading.Event()
+    scheduler.on_captured = done.set
+    scheduler.warm_up(rest_in_background=True)
+    assert sorted(scheduler.forward.graphs) == sorted(scheduler.forward.first_keys())
+    scheduler.start()
+    try:
+        handles = [scheduler.submit(gpu.embed(p.cuda()), p.tolist(), params) for p, params in zip(prompts, PARAMS)]
+        assert [handle.results(timeout=120) for handle in handles] == alone  # eager steps for the batches
+        assert done.wait(300), "the background captures did not finish"
+        assert sorted(scheduler.forward.graphs) == sorted(scheduler.forward.graph_keys())
+        eager = scheduler.forward.eager_steps
+        handles = [scheduler.submit(gpu.embed(p.cuda()), p.tolist(), params) for p, params in zip(prompts, PARAMS)]
+        assert [handle.results(timeout=120) for handle in handles] == alone
+        assert scheduler.forward.eager_steps == eager  # every step replayed a graph
+    finally:
+        scheduler.stop()

@@ -9,23 +9,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from exporter.llm.config import DecoderConfig
 from exporter.llm.generate import SamplingParams
-from exporter.llm.model import Decoder, select_llm_weights
+from exporter.llm.model import Decoder
 from exporter.llm.sampling import POSITION
 from exporter.llm.tokenizer import Tokenizer
 from exporter.runtime.scheduler import RequestCancelled, Scheduler, generate
-from support.decoders import SCHEDULER_CONFIG, SCHEDULER_VOCAB, make_tiny_gpt_weights
+from support.decoders import SCHEDULER_VOCAB, scheduler_decoder
 from support.decoding import run_until_idle
 
 
 @pytest.fixture(scope="module")
 def model() -> Decoder:
-    torch.manual_seed(0)
-    weights = make_tiny_gpt_weights({**SCHEDULER_CONFIG, "bias": False}, vocab=SCHEDULER_VOCAB)
-    weights = {k: v for k, v in weights.items() if not k.endswith(".bias")}
-    return Decoder.from_state_dict(DecoderConfig.from_nemo(SCHEDULER_CONFIG, vocab_size=SCHEDULER_VOCAB),
-                                   select_llm_weights(weights))
+    return scheduler_decoder()
 
 
 def _prompt(model: Decoder, seed: int, length: int) -> tuple[torch.Tensor, list[int]]:

@@ -13,19 +13,21 @@ A `.nemo` comes from hubs and colleagues, so every pickle in it is hostile until
 from __future__ import annotations
 
 import collections
+import functools
 import io
 import pathlib
 import pickle
 import typing
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import omegaconf
 import torch
-from torch.distributed.checkpoint import filesystem as dcp_filesystem
-from torch.distributed.checkpoint import metadata as dcp_metadata
 
 from .archive import NemoCheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import metadata as dcp_metadata
 
 #: Extra globals of legacy weight files: TE extra states (BytesIO; an empty one pickles `bytes`) and a PTL
 #: `hyper_parameters.cfg` DictConfig.
@@ -34,12 +36,6 @@ LEGACY_SAFE_GLOBALS = [
     omegaconf.base.ContainerMetadata, omegaconf.base.Metadata, omegaconf.nodes.AnyNode,
 ]
 
-#: Classes a `.metadata` pickle instantiates; BUILD may set state on their (fresh) instances only.
-_METADATA_CLASSES = (
-    dcp_metadata.Metadata, dcp_metadata.StorageMeta, dcp_metadata.TensorStorageMetadata,
-    dcp_metadata.BytesStorageMetadata, dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties,
-    dcp_metadata.MetadataIndex, dcp_filesystem._StorageInfo,
-)
 _LAYOUTS = {str(value): value for value in vars(torch).values() if isinstance(value, torch.layout)}
 
 
@@ -50,18 +46,28 @@ def _layout(name: str) -> torch.layout:
     return _LAYOUTS[name]
 
 
-#: (module, name) -> object: everything a `.metadata` pickle may name.
-_METADATA_GLOBALS: dict[tuple[str, str], Any] = {
-    **{(cls.__module__, cls.__name__): cls for cls in _METADATA_CLASSES},
-    # TensorProperties' memory format, called with its value (its members are singletons: never BUILD targets)
-    ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): dcp_metadata._MEM_FORMAT_ENCODING,
-    ("torch", "Size"): torch.Size,
-    **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
-    ("torch.serialization", "_get_layout"): _layout,
-    ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id: the folder the writer saved to
-    ("pathlib._local", "PosixPath"): pathlib.PosixPath,  # the same class, as Python 3.13 names it
-}
-_BUILDABLE = frozenset((*_METADATA_CLASSES, pathlib.PosixPath))
+@functools.cache
+def _metadata_tables() -> tuple[dict[tuple[str, str], Any], frozenset]:
+    """(module, name) -> object: everything a `.metadata` pickle may name; and the classes BUILD may set state on
+    (fresh instances of them only). `torch.distributed.checkpoint` is imported here, when a torch_dist checkpoint
+    is read: its import takes seconds, which a server's start does not pay."""
+    from torch.distributed.checkpoint import filesystem as dcp_filesystem
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    classes = (dcp_metadata.Metadata, dcp_metadata.StorageMeta, dcp_metadata.TensorStorageMetadata,
+               dcp_metadata.BytesStorageMetadata, dcp_metadata.ChunkStorageMetadata, dcp_metadata.TensorProperties,
+               dcp_metadata.MetadataIndex, dcp_filesystem._StorageInfo)
+    names = {
+        **{(cls.__module__, cls.__name__): cls for cls in classes},
+        # TensorProperties' memory format, called with its value (its members are singletons: never BUILD targets)
+        ("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"): dcp_metadata._MEM_FORMAT_ENCODING,
+        ("torch", "Size"): torch.Size,
+        **{("torch", name): value for name, value in vars(torch).items() if isinstance(value, torch.dtype)},
+        ("torch.serialization", "_get_layout"): _layout,
+        ("pathlib", "PosixPath"): pathlib.PosixPath,  # StorageMeta.checkpoint_id: the folder the writer saved to
+        ("pathlib._local", "PosixPath"): pathlib.PosixPath,  # the same class, as Python 3.13 names it
+    }
+    return names, frozenset((*classes, pathlib.PosixPath))
 
 
 class _MetadataUnpickler(pickle._Unpickler):
@@ -70,7 +76,7 @@ class _MetadataUnpickler(pickle._Unpickler):
     dispatch = dict(pickle._Unpickler.dispatch)
 
     def find_class(self, module: str, name: str) -> Any:
-        found = _METADATA_GLOBALS.get((module, name))
+        found = _metadata_tables()[0].get((module, name))
         if found is None:
             raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name} (not a torch_dist metadata type)")
         return found
@@ -80,7 +86,7 @@ class _MetadataUnpickler(pickle._Unpickler):
 
     def _load_build(self) -> None:
         """BUILD only on an instance of an allowed class: never on a class, function or module."""
-        if type(self.stack[-2]) not in _BUILDABLE:
+        if type(self.stack[-2]) not in _metadata_tables()[1]:
             raise pickle.UnpicklingError(f"refusing to set the state of {type(self.stack[-2]).__name__}")
         pickle._Unpickler.load_build(self)
 
@@ -110,6 +116,9 @@ def load_dist_metadata(handle: IO[bytes], where: str) -> dcp_metadata.Metadata:
 
 def _metadata_problem(metadata: Any) -> str | None:
     """What is wrong with the structure the reader relies on, or None."""
+    from torch.distributed.checkpoint import filesystem as dcp_filesystem
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
     if type(metadata) is not dcp_metadata.Metadata:
         return f"it holds a {type(metadata).__name__}, not a Metadata"
     entries, storage = metadata.state_dict_metadata, metadata.storage_data

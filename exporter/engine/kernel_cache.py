@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,7 +113,7 @@ class KernelCache:
         content = {"format": FORMAT, "identity": self.identity, "choices": gemv.choices(remembered=True),
                    "autotune": {name: _tuned_entries(kernel) for name, kernel in gemv.TUNED.items()}}
         target = self.folder / CHOICES_FILE
-        staged = target.with_name(f"{CHOICES_FILE}.{os.getpid()}")
+        staged = target.with_name(f"{CHOICES_FILE}.{os.getpid()}.{threading.get_ident()}")  # a save per thread
         try:
             staged.write_text(json.dumps(content, indent=1))
             os.replace(staged, target)

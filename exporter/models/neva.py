@@ -137,7 +137,7 @@ class ImageModel(ModelType):
         """The vision encoder, its image preprocessing (capped by ``media``) and ``use_im_start_end``, as
         ``save_perception`` wrote them."""
         config = json.loads((directory / "config.json").read_text())
-        weights = load_file(str(directory / "model.safetensors"))
+        weights = load_file(str(directory / "model.safetensors"), device=str(device))  # straight to the device
         encoder = VisionEncoder.from_spec(config["encoder"], weights, dtype=dtype).to(device)
         overrides = {} if media is None else {"max_image_pixels": media.max_image_pixels}
         return encoder, encoder.preprocessor(**overrides), config["use_im_start_end"]

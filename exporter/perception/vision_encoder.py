@@ -18,7 +18,8 @@ from torch import nn
 
 from .image_preprocess import DEFAULT_MAX_IMAGE_PIXELS, ImagePreprocessor
 from .projector import build_projector, downsampled_tokens, load_projector, load_projector_weights
-from .vision_tower import build_vision_tower, instantiate_tower, strip_hf_prefix
+from .vision_tower import build_vision_tower, strip_hf_prefix
+from .vit import VisionTransformer
 
 SPEC_FORMAT = "nemo-mm-vision-encoder/1"
 SELECT_FEATURES = ("patch", "cls_patch")
@@ -63,11 +64,14 @@ class VisionEncoder(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """`[B, 3, S, S]` pixels -> `[B, tokens_per_image, llm_hidden_size]` features."""
-        inner = getattr(self.tower, "vision_model", self.tower)  # transformers 4.x nests the transformer
-        hidden = inner.embeddings(pixels.to(self.dtype))
-        if self._spec["tower"]["type"] == "clip":
-            hidden = inner.pre_layrnorm(hidden)
-        hidden = inner.encoder(inputs_embeds=hidden).last_hidden_state
+        if isinstance(self.tower, VisionTransformer):
+            hidden = self.tower(pixels.to(self.dtype))
+        else:  # transformers' model (export)
+            inner = getattr(self.tower, "vision_model", self.tower)  # transformers 4.x nests the transformer
+            hidden = inner.embeddings(pixels.to(self.dtype))
+            if self._spec["tower"]["type"] == "clip":
+                hidden = inner.pre_layrnorm(hidden)
+            hidden = inner.encoder(inputs_embeds=hidden).last_hidden_state
         return self.projector(hidden[:, self._spec["dropped_tokens"] :])
 
     def spec(self) -> dict[str, Any]:
@@ -92,7 +96,6 @@ class VisionEncoder(nn.Module):
         state_dict: Mapping[str, torch.Tensor],
         *,
         dtype: torch.dtype | None = None,
-        attn_implementation: str = "sdpa",
     ) -> VisionEncoder:
         """Rebuilds an encoder from `spec()` and `state_dict_for_engine()` (no checkpoint, no network).
 
@@ -109,13 +112,11 @@ class VisionEncoder(nn.Module):
         if not tower_weights:
             raise VisionEncoderError("the vision encoder weights have no tower.* tensors")
         dtype = dtype or next(iter(tower_weights.values())).dtype
-        tower = instantiate_tower(
-            spec["tower"]["type"],
-            spec["tower"]["config"],
-            tower_weights,
-            dtype=dtype,
-            attn_implementation=attn_implementation,
-        )
+        try:
+            tower = VisionTransformer.from_weights(spec["tower"]["type"], spec["tower"]["config"], tower_weights,
+                                                   dtype)
+        except ValueError as error:
+            raise VisionEncoderError(str(error)) from None
         projector_spec = spec["projector"]
         projector = build_projector(
             projector_spec["type"], projector_spec["vision_hidden_size"], projector_spec["llm_hidden_size"]

@@ -62,7 +62,8 @@ def capture(fn: Callable[[], Any], pool: tuple) -> tuple[torch.cuda.CUDAGraph, A
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
+    # thread_local: another thread (an encoder beside a background capture) may use the device meanwhile
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         output = fn()
     return graph, output
 
@@ -169,7 +170,9 @@ class ForwardStep:
     (``set_adapters``, a static device tensor) and each piece with its own; a step without adapters skips the LoRA
     products. On CUDA a step is a graph captured per (row bucket, chunk bucket, full or argmax-only choice, LoRA or
     not) with the block tables, the chooser's state and the chunk's buffers as its inputs; a chunk of more than
-    ``MAX_PIECES`` pieces or ``max_chunk`` tokens, and every step elsewhere, runs eagerly.
+    ``MAX_PIECES`` pieces or ``max_chunk`` tokens, and every step elsewhere, runs eagerly. A graph not captured
+    ahead (``capture_all``, ``capture_next``) is captured by the first step that needs it, or with
+    ``capture_on_demand`` off (a server, whose requests must not wait for a capture) that step runs eagerly.
 
     Tensor parallel (the model's ``tp`` set): rank 0's step tells the other ranks' twins (``follower``) what it
     does (a message, then ``_share_inputs``: the chooser's state, the tables and the chunk's metadata), and every
@@ -193,18 +196,25 @@ class ForwardStep:
         self.chunk_buckets = chunk_bucket_sizes(max_chunk)
         self.splits = {rows: decode_splits(rows, model.kv_heads, device) for rows in self.buckets}
         self.graphs: dict[tuple[int, int, bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.capture_on_demand = True  # a step whose graph is missing captures it (else it runs eagerly)
+        self.chunk_beside_rows: int | None = None  # the largest chunk a step with decode rows takes (None: any)
+        self.eager_steps = 0  # steps of a captured shape that ran eagerly, their graph not captured yet
         self.adapters = None if model.lora is None else torch.zeros(tables.shape[0], dtype=torch.long, device=device)
         if self.enabled:
-            self.pool = torch.cuda.graph_pool_handle()
-            longest = self.chunk_buckets[-1]
-            self.embeds = torch.zeros(longest, model.config.hidden_size, dtype=model.dtype, device=device)
-            self.longs = torch.zeros(_LONG_FIELDS * longest + MAX_PIECES, dtype=torch.long, device=device)
-            self.ints = torch.zeros(4 * _tile_capacity(longest) + MAX_PIECES * tables.shape[1],
-                                    dtype=torch.int32, device=device)
+            self.allocate_static_inputs()
         if self.tp is not None and self.tp.leader:
             self.tp.send(("new", self.id, dict(blocks=cache.num_blocks, block_size=cache.block_size,
                                                rows=tables.shape[0], width=tables.shape[1], max_chunk=max_chunk,
                                                beams=chooser.max_beam_width, graphs=self.enabled)))
+
+    def allocate_static_inputs(self) -> None:
+        """The graphs' memory pool and the static chunk buffers they read (done when graphs are enabled)."""
+        device, longest = self.model.device, self.chunk_buckets[-1]
+        self.pool = torch.cuda.graph_pool_handle()
+        self.embeds = torch.zeros(longest, self.model.config.hidden_size, dtype=self.model.dtype, device=device)
+        self.longs = torch.zeros(_LONG_FIELDS * longest + MAX_PIECES, dtype=torch.long, device=device)
+        self.ints = torch.zeros(4 * _tile_capacity(longest) + MAX_PIECES * self.tables.shape[1],
+                                dtype=torch.int32, device=device)
 
     @classmethod
     def follower(cls, model: Decoder, step_id: int, facts: dict) -> ForwardStep:
@@ -225,7 +235,7 @@ class ForwardStep:
             self.tp.share(targets, sources)
             self.cache.copy_blocks_(targets, sources)
         elif kind == "capture":
-            self._capture(*facts[0])
+            self._capture(*facts[0], filler=True)
         elif kind == "launch":
             self._follow_launch(**facts[0])
 
@@ -262,17 +272,18 @@ class ForwardStep:
         tokens_in_chunk = sum(len(piece.embeds) for piece in pieces)
         full = full and rows > 0
         lora = lora and self.adapters is not None
-        if not self.enabled or len(pieces) > MAX_PIECES or tokens_in_chunk > self.chunk_buckets[-1]:
+        key = self._graph_key(rows, pieces, tokens_in_chunk, full, lora)
+        if key not in self.graphs and (key is None or not self.capture_on_demand):
+            self.eager_steps += key is not None
             chunk = self._chunk(pieces, tokens_in_chunk) if pieces else None
             key, decoded = None, rows
             layout = None if chunk is None else ("eager", tokens_in_chunk, len(pieces), _tile_count(pieces),
                                                  chunk.chunk.sequences)
         else:
-            decoded = next(b for b in self.buckets if b >= rows) if rows else 0
-            padded = next(c for c in self.chunk_buckets if c >= tokens_in_chunk) if pieces else 0
+            decoded, padded = key[:2]
             if pieces:
                 self._fill(pieces, padded)
-            chunk, key, layout = None, (decoded, padded, full, lora), ("static", padded) if pieces else None
+            chunk, layout = None, ("static", padded) if pieces else None
         if self.tp is None:
             logits = self._run(rows, furthest, chunk, key, full, lora, beam_rows, beams_from)
         else:
@@ -286,6 +297,15 @@ class ForwardStep:
                     if rows else None)
         return launched, logits[decoded: decoded + len(pieces)] if pieces else None
 
+    def _graph_key(self, rows: int, pieces: Sequence[Piece], tokens_in_chunk: int, full: bool,
+                   lora: bool) -> tuple[int, int, bool, bool] | None:
+        """The graph a step of this shape replays, or None where steps of its shape always run eagerly."""
+        if not self.enabled or len(pieces) > MAX_PIECES or tokens_in_chunk > self.chunk_buckets[-1]:
+            return None
+        decoded = next(b for b in self.buckets if b >= rows) if rows else 0
+        padded = next(c for c in self.chunk_buckets if c >= tokens_in_chunk) if pieces else 0
+        return decoded, padded, full, lora
+
     def _run(self, rows: int, furthest: int, chunk: _ChunkInputs | None, key: tuple | None, full: bool, lora: bool,
              beam_rows: Tensor | None, beams_from: int) -> Tensor:
         """The step's beam copies, then its forward: eager (``key`` None) or the graph of ``key``."""
@@ -293,7 +313,7 @@ class ForwardStep:
             self._copy_beam_blocks(beam_rows, beams_from, furthest)
         if key is None:
             return self._compute(rows, chunk, full, furthest, lora)
-        if key not in self.graphs:
+        if key not in self.graphs:  # captured on demand, from this step's inputs
             self._capture(*key)
         graph, logits = self.graphs[key]
         graph.replay()
@@ -323,25 +343,50 @@ class ForwardStep:
         self._share_inputs(beams, layout, chunk)
         self._run(rows, furthest, chunk, key, full, lora, beams, beams_from)
 
-    def capture_all(self, max_chunk_with_rows: int | None = None) -> None:
-        """Capture every step graph of ``capture_keys`` now, so no request waits for one later (before any
-        request: the captures run steps on the rows)."""
-        for key in self.capture_keys(max_chunk_with_rows) if self.enabled else ():
-            if key not in self.graphs:
-                if self.tp is not None:
-                    self.tp.send(("capture", self.id, key))
-                self._capture(*key)
+    def graph_keys(self) -> list[tuple[int, int, bool, bool]]:
+        """``step_keys`` where graphs are on (captured for), else none."""
+        return self.step_keys() if self.enabled else []
 
-    def capture_keys(self, max_chunk_with_rows: int | None = None) -> list[tuple[int, int, bool, bool]]:
-        """Every (row bucket, chunk bucket, choice, LoRA) a step can take; with decode rows, only the chunk buckets
-        that hold ``max_chunk_with_rows`` tokens or fewer (the scheduler's chunks beside decoding rows)."""
-        beside = self.chunk_buckets[-1] if max_chunk_with_rows is None else \
-            next((c for c in self.chunk_buckets if c >= max_chunk_with_rows), self.chunk_buckets[-1])
-        return [(rows, padded, full, lora)
-                for rows in [0, *self.buckets]
-                for padded in [0, *self.chunk_buckets] if (rows or padded) and (not rows or padded <= beside)
-                for full in ((False, True) if rows else (False,))
-                for lora in ((False, True) if self.adapters is not None else (False,))]
+    def step_keys(self) -> list[tuple[int, int, bool, bool]]:
+        """Every (row bucket, chunk bucket, full choice, LoRA) a step can take, those a first request uses first
+        (``first_keys``), then by rows and chunk size, smallest first. Beside decode rows only the chunk buckets up
+        to the one holding ``chunk_beside_rows`` (the scheduler's chunks there)."""
+        beside = self.chunk_buckets[-1] if self.chunk_beside_rows is None else \
+            next((c for c in self.chunk_buckets if c >= self.chunk_beside_rows), self.chunk_buckets[-1])
+        first = self._first_request_keys()
+        others = [(rows, padded, full, lora) for rows in [0, *self.buckets] for padded in [0, *self.chunk_buckets]
+                  if (rows or padded) and (not rows or padded <= beside)
+                  for full in ((False, True) if rows else (False,))
+                  for lora in ((False, True) if self.adapters is not None else (False,))]
+        return first + [key for key in others if key not in first]
+
+    def first_keys(self) -> list[tuple[int, int, bool, bool]]:
+        """The graphs a first request runs: its prompt's chunks alone (every chunk bucket), then its decode steps
+        on one row (argmax and full choice); no LoRA. None where graphs are off."""
+        return self._first_request_keys() if self.enabled else []
+
+    def _first_request_keys(self) -> list[tuple[int, int, bool, bool]]:
+        return [(0, padded, False, False) for padded in self.chunk_buckets] + [(1, 0, False, False),
+                                                                                (1, 0, True, False)]
+
+    def capture_all(self, first_only: bool = False) -> int:
+        """Capture every step graph not captured yet (or only ``first_keys``'), so that no step runs eagerly later;
+        returns how many were captured. Run only while no request is admitted: the captures run steps on the
+        rows (an idle row writes the null block)."""
+        keys = self.first_keys() if first_only else self.graph_keys()
+        return sum(self.capture_next(key) for key in keys)
+
+    def capture_next(self, key: tuple[int, int, bool, bool] | None = None) -> bool:
+        """Capture ``key``'s graph, or the first of ``graph_keys`` not captured yet; False if there was none.
+        Under the same rule as ``capture_all``."""
+        if key is None:
+            key = next((key for key in self.graph_keys() if key not in self.graphs), None)
+        if key is None or key in self.graphs:
+            return False
+        if self.tp is not None:
+            self.tp.send(("capture", self.id, key))
+        self._capture(*key, filler=True)
+        return True
 
     @property
     def graph_count(self) -> int:
@@ -355,10 +400,14 @@ class ForwardStep:
             self.cache.copy_blocks_(self.tables[beam_rows, first:stop].flatten().long(),
                                     self.tables[parents, first:stop].flatten().long())
 
-    def _capture(self, rows: int, padded: int, full: bool, lora: bool) -> None:
+    def _capture(self, rows: int, padded: int, full: bool, lora: bool, filler: bool = False) -> None:
         # Capturing runs the step from the current state (writing each row's cache at its own position, as the
-        # step will, and past it, where the next steps write): keep the state as it was.
+        # step will, and past it, where the next steps write): keep the state as it was. Outside a step
+        # (``filler``) the chunk is filler (the null block), not the last step's (whose blocks may be cached now).
         saved = self.chooser.snapshot()
+        if padded and filler:
+            self.longs.zero_()
+            self.ints.zero_()
         chunk = self._static_chunk(padded) if padded else None
         self.graphs[(rows, padded, full, lora)] = capture(lambda: self._compute(rows, chunk, full, 0, lora),
                                                           self.pool)

@@ -89,7 +89,7 @@ class Pipeline:
                                    max_beam_width=limits.max_beam_width, kv_cache=kv_cache,
                                    max_num_tokens=max_num_tokens)
         if engine.decoder.device.type == "cuda":
-            self.scheduler.warm_up()  # compile and capture before the first request, not during it
+            self.scheduler.warm_up(rest_in_background=True)  # what a first request runs now, the rest when idle
         self.scheduler.start()
         self._encoder_lock = threading.Lock()  # the encoder (and its CUDA graphs) serve one batch at a time
         self.submitted: list[Callable[[Handle], None]] = []  # observers of each request's handle (server metrics)

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..engine.progress import LOGGER
 from ..llm.config import DecoderConfig
 from ..llm.generate import Answer, BeamSearch, SamplingParams, check_requests
 from ..llm.model import Decoder
@@ -192,6 +193,9 @@ DEFAULT_MAX_NUM_TOKENS = 2048  # a lone prompt's chunk: 600-position image promp
 # 4.5 of them, shared), so the decoding rows' step stays within ~1.8x a plain one, while a 16k prompt beside them
 # takes ~70 steps (256: ~107, a time to first token ~1.7x its lone prefill's, over the 1.3x asked).
 DECODE_CHUNK_TOKENS = 384
+# A background capture starts once the scheduler has had nothing to do this long (requests sent one after another
+# meet no capture; one arriving during a capture waits for that graph).
+CAPTURE_AFTER_IDLE_S = 0.5
 
 
 class Scheduler:
@@ -258,6 +262,9 @@ class Scheduler:
         self._beam_rows: tuple[tuple[int, ...], Tensor] | None = None
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self.capture_stats: dict[str, float] = {}  # warm_up's graphs and seconds, before READY and after
+        self.on_captured: Callable[[], None] | None = None  # called once the background captures are done
+        self._capture_later = False
 
     # --- submission -------------------------------------------------------------------------------------------
 
@@ -321,23 +328,61 @@ class Scheduler:
             self._thread = None
         self._fail_all(RequestCancelled("the scheduler stopped"))
 
-    def warm_up(self) -> None:
-        """Compile and capture every step graph the chunk policy can produce now (CUDA), so that no request waits
-        for it (seconds; the graphs share one memory pool)."""
+    def warm_up(self, rest_in_background: bool = False) -> None:
+        """Capture the step graphs now (CUDA), so that no request waits for one (seconds; the graphs share one
+        memory pool): all of them, or with ``rest_in_background`` those a first request runs
+        (``ForwardStep.first_keys``), the others then captured one at a time by the scheduler's thread whenever it
+        has been idle for ``CAPTURE_AFTER_IDLE_S`` (a step meanwhile runs eagerly; a request arriving during a
+        capture waits for that one graph)."""
+        started = time.perf_counter()
+        self.forward.chunk_beside_rows = self.chunk_budget(decoding=True)
+        self.forward.capture_on_demand = not rest_in_background
         with torch.inference_mode():
-            self.forward.capture_all(max_chunk_with_rows=self.chunk_budget(decoding=True))
+            captured = self.forward.capture_all(first_only=rest_in_background)
+        self.capture_stats.update(before=captured, before_s=time.perf_counter() - started,
+                                  left=sum(key not in self.forward.graphs for key in self.forward.graph_keys()))
+        self._capture_later = rest_in_background and self.capture_stats["left"] > 0
 
     def _loop(self) -> None:
+        busy_until = time.monotonic()
         while True:
             with self._wake:
                 while not self._stopping and not self.waiting and not self._inflight and not any(self.slots):
-                    self._wake.wait()
+                    wait = busy_until + CAPTURE_AFTER_IDLE_S - time.monotonic() if self._capture_later else None
+                    if wait is not None and wait <= 0:
+                        break
+                    self._wake.wait(wait)
                 if self._stopping:
                     return
+                idle = not self.waiting and not self._inflight and not any(self.slots)
+            if idle:
+                self._capture_one()
+                continue
             try:
                 self.step()
             except Exception as error:  # noqa: BLE001 - a failed step fails the requests in it, not the loop
                 self._fail_all(error)
+            busy_until = time.monotonic()
+
+    def _capture_one(self) -> None:
+        """Capture the next step graph ``warm_up`` left for later (the scheduler idle); the last one logged and
+        ``on_captured`` called."""
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                self._capture_later = self.forward.capture_next()
+        except Exception as error:  # noqa: BLE001 - the steps left run eagerly: slower, still right
+            LOGGER.warning("background capture of the step graphs stopped: %s: %s", type(error).__name__, error)
+            self._capture_later = False
+        stats = self.capture_stats
+        if self._capture_later:
+            stats["after"] = stats.get("after", 0) + 1
+            stats["after_s"] = stats.get("after_s", 0.0) + time.perf_counter() - started
+            return
+        LOGGER.info("phase capture the other step graphs (in the background, after READY): %.2f s (%d graphs)",
+                    stats.get("after_s", 0.0), stats.get("after", 0))
+        if self.on_captured is not None:
+            self.on_captured()
 
     def _fail_all(self, error: BaseException) -> None:
         self._inflight.clear()

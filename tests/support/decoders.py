@@ -57,6 +57,15 @@ SCHEDULER_VOCAB = 64
 LONG_CONFIG = {**SCHEDULER_CONFIG, "max_position_embeddings": 32768}
 
 
+def scheduler_decoder() -> Decoder:
+    """The scheduler tests' tiny decoder: `SCHEDULER_CONFIG` without biases, random weights of seed 0."""
+    torch.manual_seed(0)
+    weights = make_tiny_gpt_weights({**SCHEDULER_CONFIG, "bias": False}, vocab=SCHEDULER_VOCAB)
+    weights = {k: v for k, v in weights.items() if not k.endswith(".bias")}
+    return Decoder.from_state_dict(DecoderConfig.from_nemo(SCHEDULER_CONFIG, vocab_size=SCHEDULER_VOCAB),
+                                   select_llm_weights(weights))
+
+
 def random_ids(seed: int, length: int, vocab: int = SCHEDULER_VOCAB) -> list[int]:
     """`length` random token ids in `[3, vocab)` (no special ids)."""
     return torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()

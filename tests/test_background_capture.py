@@ -1,0 +1,164 @@
+"""Step graphs at start-up: a first request's captured before READY, the others by the scheduler's thread while it
+is idle; a step whose graph is not captured yet runs the same computation eagerly.
+
+CUDA graphs cannot run here (and the graphs' static chunk layout is read by the CUDA kernels only): `capture` is
+replaced by a stand-in that records which graph was captured, on which thread and whether a request was admitted
+then, and the static buffers live on the CPU. The scheduler, its thread and the eager fallback are the real code;
+answers are compared with the eager scheduler's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from exporter.llm.generate import SamplingParams
+from exporter.llm.model import Decoder
+from exporter.runtime import cuda_graphs
+from exporter.runtime.scheduler import CAPTURE_AFTER_IDLE_S, Scheduler, generate
+from support.decoders import SCHEDULER_VOCAB, scheduler_decoder
+
+
+class _Captures(list):
+    """Per capture, its thread's name and whether a request was admitted or waiting then; the schedulers watched."""
+
+    def __init__(self):
+        super().__init__()
+        self.schedulers: list[Scheduler] = []
+        self.times: list[float] = []
+
+
+class _Graph:
+    def replay(self) -> None:
+        raise AssertionError("no step replays a stand-in graph here")
+
+
+@pytest.fixture(scope="module")
+def model() -> Decoder:
+    return scheduler_decoder()
+
+
+@pytest.fixture
+def captures(monkeypatch) -> _Captures:
+    """Graphs "captured" on the CPU, recorded."""
+    records = _Captures()
+
+    def capture(fn, pool):
+        busy = any(scheduler.waiting or any(scheduler.slots) for scheduler in records.schedulers)
+        records.append((threading.current_thread().name, busy))
+        records.times.append(time.monotonic())
+        return _Graph(), None
+
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    return records
+
+
+def _graphed_scheduler(model: Decoder, captures: _Captures) -> Scheduler:
+    scheduler = Scheduler(model, max_slots=4, max_seq_len=64, eos_id=None, max_num_tokens=64)
+    scheduler.forward.enabled = True
+    scheduler.forward.allocate_static_inputs()
+    captures.schedulers.append(scheduler)
+    return scheduler
+
+
+REQUESTS = [
+    (1, 5, SamplingParams(max_output_len=9)),
+    (2, 21, SamplingParams(max_output_len=6, repetition_penalty=1.3)),
+    (3, 40, SamplingParams(max_output_len=8, top_k=0, top_p=0.9, temperature=0.8, seed=11)),
+]
+
+
+def _prompts(model: Decoder) -> list[tuple[torch.Tensor, list[int], SamplingParams]]:
+    prompts = []
+    for seed, length, params in REQUESTS:
+        ids = torch.randint(3, SCHEDULER_VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+        prompts.append((model.embed(ids), ids.tolist(), params))
+    return prompts
+
+
+def test_served_steps_without_their_graph_run_eagerly_and_capture_nothing(model, captures):
+    expected = [generate(model, [embeds], [ids], [params], eos_id=None)[0][0]
+                for embeds, ids, params in _prompts(model)]
+    scheduler = _graphed_scheduler(model, captures)  # graphs on, none captured: no warm-up
+    scheduler.forward.capture_on_demand = False  # as a server's warm_up(rest_in_background=True) sets it
+    scheduler.start()
+    try:
+        handles = [scheduler.submit(*prompt) for prompt in _prompts(model)]
+        assert [handle.result(timeout=60) for handle in handles] == expected
+    finally:
+        scheduler.stop()
+    assert scheduler.forward.eager_steps > 0 and captures == []  # no request waited for a capture
+
+
+def test_first_request_graphs_before_ready_the_rest_when_idle(model, captures):
+    scheduler = _graphed_scheduler(model, captures)
+    forward = scheduler.forward
+    done = threading.Event()
+    scheduler.on_captured = done.set
+    scheduler.warm_up(rest_in_background=True)
+    first, every = forward.first_keys(), forward.graph_keys()
+    assert sorted(forward.graphs) == sorted(first) and 0 < len(first) < len(every)
+    assert {rows for rows, *_ in first} == {0, 1} and {padded for _, padded, *_ in first} > {0}
+    assert scheduler.capture_stats["before"] == len(first)
+    assert scheduler.capture_stats["left"] == len(every) - len(first)
+    assert captures == [("MainThread", False)] * len(first)
+    scheduler.start()
+    try:
+        assert done.wait(60), "the background captures did not finish"
+    finally:
+        scheduler.stop()
+    assert sorted(forward.graphs) == sorted(every)
+    assert captures[len(first):] == [("scheduler", False)] * (len(every) - len(first))
+    assert scheduler.capture_stats["after"] == len(every) - len(first)
+
+
+def test_background_captures_wait_for_the_requests(model, captures, monkeypatch):
+    scheduler = _graphed_scheduler(model, captures)
+    scheduler.warm_up(rest_in_background=True)
+    monkeypatch.setattr(cuda_graphs.ForwardStep, "_graph_key", lambda *args: None)  # every step eager here
+    handles = [scheduler.submit(*prompt) for prompt in _prompts(model)]  # before the thread starts
+    done = threading.Event()
+    scheduler.on_captured = done.set
+    scheduler.start()
+    try:
+        for handle in handles:
+            handle.result(timeout=60)
+        answered = time.monotonic()
+        assert done.wait(60)
+    finally:
+        scheduler.stop()
+    assert all(not busy for _, busy in captures)  # no capture while a request was admitted or waiting
+    background = captures.times[len(scheduler.forward.first_keys()):]
+    assert background and min(background) >= answered  # none between the requests
+    assert min(background) - answered >= CAPTURE_AFTER_IDLE_S / 2  # nor right after (the next may come)
+    assert scheduler.decode_steps > 0
+
+
+def test_warm_up_captures_everything_by_default(model, captures):
+    scheduler = _graphed_scheduler(model, captures)
+    scheduler.warm_up()
+    assert sorted(scheduler.forward.graphs) == sorted(scheduler.forward.graph_keys())
+    assert scheduler.capture_stats["left"] == 0 and not scheduler._capture_later
+
+
+def test_a_failing_background_capture_leaves_the_steps_eager(model, captures, monkeypatch):
+    scheduler = _graphed_scheduler(model, captures)
+    scheduler.warm_up(rest_in_background=True)
+    monkeypatch.setattr(cuda_graphs, "capture", lambda fn, pool: 1 / 0)
+    monkeypatch.setattr(cuda_graphs.ForwardStep, "_graph_key", lambda *args: None)
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 30
+        while scheduler._capture_later and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not scheduler._capture_later  # gave up after the failure
+        embeds, ids, params = _prompts(model)[0]
+        expected = generate(model, [embeds], [ids], [params], eos_id=None)[0][0]
+        assert scheduler.submit(embeds, ids, params).result(timeout=60) == expected
+    finally:
+        scheduler.stop()
