@@ -85,7 +85,8 @@ def test_kernels_agree_with_the_batched_products_in_bf16(shape, rows):
     batched = slots.batched(y, x, adapters)
     base = y.clone()
     assert slots(y, x, adapters) is y  # the kernels, in place
-    torch.testing.assert_close(y.float(), batched.float(), rtol=2e-2, atol=5e-2)
+    # Outputs reach ~16, where one bf16 step is 0.0625: the split sums may round the rank-space values one step apart.
+    torch.testing.assert_close(y.float(), batched.float(), rtol=2e-2, atol=0.15)
     assert torch.equal(y[0], base[0]) and torch.equal(y[5], base[5])
     lora_layers.CUDA_KERNEL = "bmm"
     try:
