@@ -151,7 +151,7 @@ def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_m
     # warm_up captures every (row bucket, chunk bucket) those steps took, and no 600-token chunk beside rows
     forward = scheduler.forward
     forward.chunk_beside_rows = scheduler.chunk_budget(decoding=True)  # what warm_up sets
-    captured = {key[:2] for key in forward.step_keys()}
+    captured = {key[:2] for key in forward.graph_keys()}
     for rows, chunk in steps:
         bucket = next(b for b in forward.buckets if b >= rows) if rows else 0
         assert (bucket, next(c for c in forward.chunk_buckets if c >= chunk) if chunk else 0) in captured

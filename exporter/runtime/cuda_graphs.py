@@ -344,16 +344,12 @@ class ForwardStep:
         self._run(rows, furthest, chunk, key, full, lora, beams, beams_from)
 
     def graph_keys(self) -> list[tuple[int, int, bool, bool]]:
-        """``step_keys`` where graphs are on (captured for), else none."""
-        return self.step_keys() if self.enabled else []
-
-    def step_keys(self) -> list[tuple[int, int, bool, bool]]:
         """Every (row bucket, chunk bucket, full choice, LoRA) a step can take, those a first request uses first
         (``first_keys``), then by rows and chunk size, smallest first. Beside decode rows only the chunk buckets up
         to the one holding ``chunk_beside_rows`` (the scheduler's chunks there)."""
         beside = self.chunk_buckets[-1] if self.chunk_beside_rows is None else \
             next((c for c in self.chunk_buckets if c >= self.chunk_beside_rows), self.chunk_buckets[-1])
-        first = self._first_request_keys()
+        first = self.first_keys()
         others = [(rows, padded, full, lora) for rows in [0, *self.buckets] for padded in [0, *self.chunk_buckets]
                   if (rows or padded) and (not rows or padded <= beside)
                   for full in ((False, True) if rows else (False,))
@@ -362,24 +358,27 @@ class ForwardStep:
 
     def first_keys(self) -> list[tuple[int, int, bool, bool]]:
         """The graphs a first request runs: its prompt's chunks alone (every chunk bucket), then its decode steps
-        on one row (argmax and full choice); no LoRA. None where graphs are off."""
-        return self._first_request_keys() if self.enabled else []
-
-    def _first_request_keys(self) -> list[tuple[int, int, bool, bool]]:
+        on one row (argmax and full choice); no LoRA."""
         return [(0, padded, False, False) for padded in self.chunk_buckets] + [(1, 0, False, False),
                                                                                 (1, 0, True, False)]
+
+    def uncaptured(self) -> int:
+        """How many of ``graph_keys``' graphs are not captured yet (0 where graphs are off)."""
+        return sum(key not in self.graphs for key in self.graph_keys()) if self.enabled else 0
 
     def capture_all(self, first_only: bool = False) -> int:
         """Capture every step graph not captured yet (or only ``first_keys``'), so that no step runs eagerly later;
         returns how many were captured. Run only while no request is admitted: the captures run steps on the
         rows (an idle row writes the null block)."""
+        if not self.enabled:
+            return 0
         keys = self.first_keys() if first_only else self.graph_keys()
         return sum(self.capture_next(key) for key in keys)
 
     def capture_next(self, key: tuple[int, int, bool, bool] | None = None) -> bool:
         """Capture ``key``'s graph, or the first of ``graph_keys`` not captured yet; False if there was none.
         Under the same rule as ``capture_all``."""
-        if key is None:
+        if key is None and self.enabled:
             key = next((key for key in self.graph_keys() if key not in self.graphs), None)
         if key is None or key in self.graphs:
             return False

@@ -172,15 +172,13 @@ class Pipeline:
         for i, items in self._encode(media_items).items():
             request = requests[i]
             try:
-                start = time.perf_counter()
-                template = self.engine.template if request.system is None else replace(self.engine.template,
-                                                                                      system=request.system)
-                layout = self.engine.perception.layout(request.text, items, self.engine.tokenizer, template,
-                                                       request.apply_chat_template)
-                media_len = sum(int(block.shape[0]) for block in items)
-                self.engine.limits.check_request(layout.length, media_len, request.params.max_output_len)
-                if self.on_phase is not None:
-                    self.on_phase("tokenize", time.perf_counter() - start)
+                with self._phase("tokenize"):
+                    template = self.engine.template if request.system is None else replace(self.engine.template,
+                                                                                          system=request.system)
+                    layout = self.engine.perception.layout(request.text, items, self.engine.tokenizer, template,
+                                                           request.apply_chat_template)
+                    media_len = sum(int(block.shape[0]) for block in items)
+                    self.engine.limits.check_request(layout.length, media_len, request.params.max_output_len)
                 params = replace(request.params,
                                  stop_token_ids=tuple({*request.params.stop_token_ids, *self.stop_token_ids}))
                 keys = [item.key for item in media_items[i]]

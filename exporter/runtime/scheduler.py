@@ -9,10 +9,10 @@ already computed (same token ids and media, see ``prefix``) takes those blocks i
 Each iteration (``step``) admits waiting requests, queues one forward that holds a decode token for every
 decoding row and a chunk of the admitted prompts (at most ``max_num_tokens`` prompt positions, and fewer while rows
 decode, ``chunk_budget``, so a long prompt is prefilled over several steps while the others keep decoding),
-chooses the first tokens of the prompts that chunk completed, and then reads back what the iteration before queued: each request takes its token (a beam search
-its candidates), streams it and finishes, releasing its rows and blocks at once. The decode rows of a step are
-``[0, bucket)``, the smallest captured batch size that holds every decoding row, so on CUDA each step replays a CUDA
-graph (see ``cuda_graphs``).
+chooses the first tokens of the prompts that chunk completed, and then reads back what the iteration before
+queued: each request takes its token (a beam search its candidates), streams it and finishes, releasing its rows
+and blocks at once. The decode rows of a step are ``[0, bucket)``, the smallest captured batch size that holds
+every decoding row, so on CUDA each step replays a CUDA graph (see ``cuda_graphs``).
 
 Every row's next token is chosen on the device (``exporter.llm.sampling``: greedy, sampled and beam rows alike), so
 the next step is always queued before the host reads the current one and the device does not wait for the host's
@@ -340,7 +340,7 @@ class Scheduler:
         with torch.inference_mode():
             captured = self.forward.capture_all(first_only=rest_in_background)
         self.capture_stats.update(before=captured, before_s=time.perf_counter() - started,
-                                  left=sum(key not in self.forward.graphs for key in self.forward.graph_keys()))
+                                  left=self.forward.uncaptured())
         self._capture_later = rest_in_background and self.capture_stats["left"] > 0
 
     def _loop(self) -> None:
