@@ -30,8 +30,10 @@ from exporter.llm.tensor_parallel import (
     TensorParallel,
     adopt_nemo_shard,
     check_tensor_parallel,
+    disable_multicast,
     split_weights,
 )
+from exporter.runtime.tensor_parallel import join
 from query import NemoQueryMultimodal
 from support.decoders import make_tiny_gpt_weights
 from support.media import random_image
@@ -281,15 +283,16 @@ def test_in_process_batch_and_beams_as_tp1(checkpoints, monkeypatch):
 
 
 def test_tp_bench_runs_tiny(tmp_path):
-    """bench/tp_bench.py at its tiny shape over two gloo processes: the table, and TP=2's tokens equal TP=1's."""
+    """bench/tp_bench.py at its tiny shape over two gloo processes, through the scheduler: the table, and TP=2's
+    tokens equal TP=1's."""
     env = {**os.environ, "OUT": str(tmp_path),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, str(REPO / "bench/tp_bench.py"), "--tiny", "--prompt", "40", "--steps",
-                           "8"], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(REPO / "bench/tp_bench.py"), "--tiny", "--check_tokens", "16"],
+                          env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "TP=2" in done.stdout and "16/16 equal" in done.stdout, done.stdout
-    result = json.loads((tmp_path / "tp_bench.json").read_text())
-    assert result["equal_prefix"] == result["tokens"] == 16 and result["tp_ms"] > 0
+    assert "TP=2" in done.stdout and "16/16" in done.stdout, done.stdout
+    result = json.loads((tmp_path / "tp_bench.json").read_text())["runs"]["TP=2"]
+    assert result["equal_prefix"] == "16/16" and result["ms"] > 0 and result["peer_all_reduce"] is False
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h200-x2)")
@@ -310,3 +313,37 @@ def test_two_gpus_as_one(checkpoints):
         finally:
             exporter.close()
     assert answers[2] == answers[1]
+
+
+def _peer_rank(rank: int, port: int, out: Path) -> None:
+    tp = join(Shard(rank, 2), port, f"cuda:{rank}", torch.bfloat16)
+    generator = torch.Generator("cuda").manual_seed(rank)
+    sizes = [(1, 5120), (16, 5120), (128, 5120), (3, 77)]
+    parts = [torch.randn(size, device="cuda", dtype=torch.bfloat16, generator=generator) for size in sizes]
+    expected = [part.clone() for part in parts]
+    for part in expected:
+        torch.distributed.all_reduce(part)
+    eager = [tp.reduce(part.clone()) for part in parts]
+    staged = [part.clone() for part in parts]
+    graph = torch.cuda.CUDAGraph()
+    tp.reduce(staged[0].clone())  # warm-up outside the capture
+    with torch.cuda.graph(graph):
+        graphed = [tp.reduce(part) for part in staged]
+    graph.replay()
+    torch.cuda.synchronize()
+    if rank == 0:
+        out.write_text(json.dumps({"peer": tp.peer is not None,
+                                   "eager": [bool(torch.equal(a, b)) for a, b in zip(eager, expected)],
+                                   "graph": [bool(torch.equal(a, b)) for a, b in zip(graphed, expected)]}))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h200-x2)")
+def test_two_gpus_peer_all_reduce_equals_nccl(tmp_path):
+    """The symmetric-memory all-reduce of decode-sized tensors equals NCCL's, eagerly and replayed in a graph."""
+    disable_multicast()
+    out = tmp_path / "peer.json"
+    torch.multiprocessing.start_processes(_peer_rank, args=(free_port(), out), nprocs=2, start_method="spawn")
+    result = json.loads(out.read_text())
+    assert result == {"peer": True, "eager": [True] * 4, "graph": [True] * 4}

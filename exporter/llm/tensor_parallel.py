@@ -128,14 +128,47 @@ def adopt_nemo_shard(weights: Mapping[str, Tensor], embedding: Tensor, config: D
             yield name, tensor
 
 
+class PeerAllReduce:
+    """The all-reduce of small tensors (a decode step's activations) through symmetric memory: each rank stages its
+    partial sums in a buffer the other ranks map, then reads theirs over NVLink in one kernel (torch's one-shot
+    all-reduce; no multicast). On the H200 pair it took 6.4 µs inside a CUDA graph against NCCL's 18 µs
+    (docs/performance.md), and a decode step has two a layer. Two buffers take turns, so a rank that runs ahead
+    never overwrites a buffer a slower rank still reads (every all-reduce waits for all ranks to arrive)."""
+
+    def __init__(self, group: Any, device: torch.device, dtype: torch.dtype, capacity_bytes: int):
+        from torch.distributed import _symmetric_memory as symmetric
+
+        self.dtype = dtype
+        self.capacity = capacity_bytes // dtype.itemsize
+        self.group_name = group.group_name
+        self.buffers = []
+        for _ in range(2):
+            buffer = symmetric.empty(self.capacity, dtype=dtype, device=device)
+            symmetric.rendezvous(buffer, self.group_name)
+            self.buffers.append(buffer)
+        self._turn = 0
+
+    def fits(self, tensor: Tensor) -> bool:
+        return tensor.dtype == self.dtype and tensor.numel() <= self.capacity and tensor.is_contiguous()
+
+    def __call__(self, partial: Tensor) -> Tensor:
+        """The sum over the ranks of ``partial``, written into it."""
+        staged = self.buffers[self._turn][:partial.numel()].view(partial.shape)
+        self._turn ^= 1
+        staged.copy_(partial)
+        return torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, partial)
+
+
 class TensorParallel:
     """A rank's collectives in its group: ``group`` carries tensors (NCCL on GPUs, gloo on the CPU); ``control``
-    (gloo) carries rank 0's step messages to the others, so that a waiting rank holds no GPU stream."""
+    (gloo) carries rank 0's step messages to the others, so that a waiting rank holds no GPU stream. ``peer``
+    (GPUs, where symmetric memory works) takes the all-reduces that fit it."""
 
-    def __init__(self, shard: Shard, group: Any, control: Any):
+    def __init__(self, shard: Shard, group: Any, control: Any, peer: PeerAllReduce | None = None):
         self.shard = shard
         self.group = group
         self.control = control
+        self.peer = peer
 
     @property
     def leader(self) -> bool:
@@ -143,6 +176,8 @@ class TensorParallel:
 
     def reduce(self, partial: Tensor) -> Tensor:
         """The sum over the ranks of each rank's ``partial`` (in place)."""
+        if self.peer is not None and self.peer.fits(partial):
+            return self.peer(partial)
         dist.all_reduce(partial, group=self.group)
         return partial
 

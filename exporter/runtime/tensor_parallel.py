@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..engine.directory import load_llm_shard, torch_dtype
 from ..llm.model import Decoder
-from ..llm.tensor_parallel import Shard, TensorParallel, disable_multicast
+from ..llm.tensor_parallel import PeerAllReduce, Shard, TensorParallel, disable_multicast
 from .cuda_graphs import ForwardStep
 
 LOGGER = logging.getLogger(__name__)
@@ -36,6 +36,9 @@ LOGGER = logging.getLogger(__name__)
 _CONTROL_TIMEOUT = datetime.timedelta(days=365)
 _GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 _WATCH_INTERVAL_S = 0.5
+#: All-reduces up to this size (a decode step's, up to 128 rows of a 5120-wide model in bf16) go through
+#: `PeerAllReduce`; larger ones (prompt chunks) through NCCL.
+PEER_ALL_REDUCE_BYTES = 2 << 20
 
 
 def rank_device(device: str, rank: int) -> str:
@@ -64,7 +67,7 @@ class Ranks:
             for rank in range(1, size)
         ]
         threading.Thread(target=self._watch, name="tensor-parallel-watch", daemon=True).start()
-        self.tp = join(Shard(0, size), port, device)
+        self.tp = join(Shard(0, size), port, device, torch_dtype(dtype))
         atexit.register(self.stop)  # after the scheduler's own stop (registered later, run first)
 
     def stop(self) -> None:
@@ -95,16 +98,33 @@ class Ranks:
             time.sleep(_WATCH_INTERVAL_S)
 
 
-def join(shard: Shard, port: int, device: str) -> TensorParallel:
-    """Join the group on loopback ``port`` as ``shard.rank``: NCCL on CUDA (this rank's GPU current), gloo on the
-    CPU; the step messages' gloo group beside it."""
+def join(shard: Shard, port: int, device: str, dtype: torch.dtype) -> TensorParallel:
+    """Join the group on loopback ``port`` as ``shard.rank``: NCCL on CUDA (this rank's GPU current, and the small
+    all-reduces of ``dtype`` through symmetric memory where it works), gloo on the CPU; the step messages' gloo
+    group beside it."""
     cuda = torch.device(device).type == "cuda"
     if cuda:
         torch.cuda.set_device(torch.device(device))
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=shard.rank,
                             world_size=shard.size, timeout=_GROUP_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
-    return TensorParallel(shard, dist.group.WORLD, control)
+    return TensorParallel(shard, dist.group.WORLD, control,
+                          _peer_all_reduce(torch.device(device), dtype) if cuda else None)
+
+
+def _peer_all_reduce(device: torch.device, dtype: torch.dtype) -> PeerAllReduce | None:
+    """Symmetric-memory all-reduce buffers on every rank, or None (NCCL for all) where any rank cannot have them:
+    the ranks agree, so that all take the same path."""
+    try:
+        peer = PeerAllReduce(dist.group.WORLD, device, dtype, PEER_ALL_REDUCE_BYTES)
+        usable = 1
+    except Exception as error:  # noqa: BLE001 - an older torch, no peer access: NCCL does it all, slower
+        LOGGER.warning("symmetric-memory all-reduce unavailable (%s: %s); NCCL takes every all-reduce",
+                       type(error).__name__, error)
+        peer, usable = None, 0
+    agreed = torch.tensor([usable], device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    return peer if int(agreed) else None
 
 
 def follow(model: Decoder) -> None:
@@ -151,7 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     _die_with_parent()
     disable_multicast()
     shard = Shard(args.rank, args.size)
-    tp = join(shard, args.port, args.device)
+    tp = join(shard, args.port, args.device, torch_dtype(args.dtype))
     model = load_llm_shard(args.model_dir, shard, args.device, torch_dtype(args.dtype))
     model.tp = tp
     follow(model)

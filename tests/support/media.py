@@ -5,7 +5,6 @@ from __future__ import annotations
 import base64
 import io
 
-import av
 import numpy as np
 import pytest
 from PIL import Image
@@ -34,6 +33,8 @@ def data_url(data: bytes, mime: str = "image/png") -> str:
 
 def first_available(*codecs: str) -> str:
     """The first of `codecs` this FFmpeg build has; the test is skipped if none."""
+    import av  # PyAV on first use: image tests run where it is not installed (the GPU machine)
+
     for codec in codecs:
         if codec in av.codecs_available:
             return codec
@@ -43,6 +44,8 @@ def first_available(*codecs: str) -> str:
 
 def encode_video(frames: np.ndarray, container: str, codec: str, rate: int = 5, pix_fmt: str = "yuv420p") -> bytes:
     """`frames` [T, H, W, 3] uint8 encoded into a `container` file, returned as bytes."""
+    import av
+
     buffer = io.BytesIO()
     with av.open(buffer, mode="w", format=container) as output:
         stream = output.add_stream(codec, rate=rate)
