@@ -138,6 +138,7 @@ class PeerAllReduce:
     def __init__(self, group: Any, device: torch.device, dtype: torch.dtype, capacity_bytes: int):
         from torch.distributed import _symmetric_memory as symmetric
 
+        self._reduce = torch.ops.symm_mem.one_shot_all_reduce_out  # missing in an older torch: an error here
         self.dtype = dtype
         self.capacity = capacity_bytes // dtype.itemsize
         self.group_name = group.group_name
@@ -156,7 +157,7 @@ class PeerAllReduce:
         staged = self.buffers[self._turn][:partial.numel()].view(partial.shape)
         self._turn ^= 1
         staged.copy_(partial)
-        return torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, partial)
+        return self._reduce(staged, "sum", self.group_name, partial)
 
 
 class TensorParallel:

@@ -102,14 +102,16 @@ def join(shard: Shard, port: int, device: str, dtype: torch.dtype) -> TensorPara
     """Join the group on loopback ``port`` as ``shard.rank``: NCCL on CUDA (this rank's GPU current, and the small
     all-reduces of ``dtype`` through symmetric memory where it works), gloo on the CPU; the step messages' gloo
     group beside it."""
-    cuda = torch.device(device).type == "cuda"
-    if cuda:
-        torch.cuda.set_device(torch.device(device))
+    where = torch.device(device)
+    cuda = where.type == "cuda"
+    if cuda:  # "cuda" (rank 0 serving on the current GPU) named by its index: set_device needs one
+        where = torch.device("cuda", torch.cuda.current_device() if where.index is None else where.index)
+        torch.cuda.set_device(where)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=shard.rank,
                             world_size=shard.size, timeout=_GROUP_TIMEOUT)
     control = dist.new_group(backend="gloo", timeout=_CONTROL_TIMEOUT)
     return TensorParallel(shard, dist.group.WORLD, control,
-                          _peer_all_reduce(torch.device(device), dtype) if cuda else None)
+                          _peer_all_reduce(where, dtype) if cuda else None)
 
 
 def _peer_all_reduce(device: torch.device, dtype: torch.dtype) -> PeerAllReduce | None:
