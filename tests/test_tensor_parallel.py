@@ -210,14 +210,18 @@ def _state(pid: int) -> str:
         return "Z"
 
 
-@pytest.mark.parametrize("source", ["sharded", "unsharded", "exported"])
-def test_deploy_triton_num_gpus_2_serves_tp1_tokens(checkpoints, source):
-    """deploy_triton.py --num_gpus 2 --device cpu: a real PyTriton server over two gloo ranks answers as TP=1,
-    token for token, exporting a TP=2-sharded .nemo or an unsharded one, or serving the exported engine (at its own
-    size, no --num_gpus); the other rank runs with NVLink multicast off, and dies with the server (SIGINT, or
-    SIGKILL); when it dies first, the server stops."""
+@pytest.mark.parametrize("source,device", [
+    ("sharded", "cpu"), ("unsharded", "cpu"), ("exported", "cpu"),
+    pytest.param("sharded", "cuda", marks=pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                             reason="needs 2 GPUs (nvidia-h200-x2)")),
+])
+def test_deploy_triton_num_gpus_2_serves_tp1_tokens(checkpoints, source, device):
+    """deploy_triton.py --num_gpus 2: a real PyTriton server over two ranks (gloo processes on the CPU, or NCCL on
+    two GPUs) answers as TP=1 on the CPU, token for token, exporting a TP=2-sharded .nemo or an unsharded one, or
+    serving the exported engine (at its own size, no --num_gpus); the other rank runs with NVLink multicast off, and
+    dies with the server (SIGINT, or SIGKILL); when it dies first, the server stops."""
     root, plain, sharded, images, expected = checkpoints
-    repository = root / f"repo-{source}"
+    repository = root / f"repo-{source}-{device}"
     if source == "exported":
         TensorRTMMExporter(repository, device="cpu", load_model=False).export(
             plain, model_type="neva", dtype="float32", max_batch_size=2, max_input_len=256, max_output_len=12,
@@ -227,10 +231,10 @@ def test_deploy_triton_num_gpus_2_serves_tp1_tokens(checkpoints, source):
         ["-vc", str(sharded if source == "sharded" else plain), "-mt", "neva", "--num_gpus", "2"]
     command = [sys.executable, str(REPO / "scripts/deploy_triton.py"), *export, "-tmn", "tiny", "-tmr",
                str(repository), "-dt", "float32", "-mbs", "2", "-mil", "256", "-mol", "12", "-mml", "64", "-trp",
-               str(http_port), "--grpc_port", str(grpc_port), "-tha", "127.0.0.1", "--device", "cpu"]
+               str(http_port), "--grpc_port", str(grpc_port), "-tha", "127.0.0.1", "--device", device]
     env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    log = root / f"server-{source}.log"
+    log = root / f"server-{source}-{device}.log"
     with log.open("w") as out:
         server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
