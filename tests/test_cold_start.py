@@ -375,3 +375,36 @@ def test_progress_is_logged_in_quarters_off_a_terminal(caplog):
             advance(512 << 20)
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [f"loading the LLM weights: {p}% of 8.59 GB" for p in (25, 50, 75)]
+
+
+@pytest.mark.parametrize("tower_type", ["clip", "siglip"])
+def test_export_builds_the_tower_without_transformers_and_with_its_defaults(tmp_path, tower_type):
+    """A tower folder's config.json that leaves defaults out: the engine's spec holds the values transformers' own
+    config class gives them, and building the tower imports no transformers."""
+    from omegaconf import OmegaConf
+    from support.vision_towers import model_config, projector_state, tiny_tower
+
+    reference = tiny_tower(tower_type)
+    reference.save_pretrained(tmp_path / "tower")
+    written = tmp_path / "tower" / "config.json"
+    minimal = {key: value for key, value in json.loads(written.read_text()).items()
+               if key not in ("hidden_act", "layer_norm_eps", "num_channels")}  # as older writers leave them
+    written.write_text(json.dumps(minimal))
+    OmegaConf.save(model_config("linear", model_type=tower_type, num_attention_heads=None), tmp_path / "cfg.yaml")
+    torch.save(projector_state("linear"), tmp_path / "state.pt")
+    code = ("import json, sys, torch; from omegaconf import OmegaConf; "
+            "from exporter.perception.vision_encoder import build_vision_encoder; "
+            f"folder = {str(tmp_path)!r}; "
+            "encoder = build_vision_encoder(OmegaConf.load(folder + '/cfg.yaml'), torch.load(folder + '/state.pt'), "
+            "vision_tower_path=folder + '/tower'); "
+            "print(json.dumps([encoder.spec()['tower']['config'], 'transformers' in sys.modules]))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    config, imported = json.loads(result.stdout.strip().splitlines()[-1])
+    assert not imported
+    expected = reference.config
+    for field in ("hidden_size", "intermediate_size", "num_attention_heads", "num_channels", "image_size",
+                  "patch_size", "hidden_act", "layer_norm_eps"):
+        assert config[field] == getattr(expected, field), field
+    assert config["num_hidden_layers"] == expected.num_hidden_layers - 1  # trimmed to the feature layer (-2)
