@@ -30,7 +30,7 @@ from wire import (
 
 from .engine import Engine, EngineLimits, LoraOptions, export_engine, load_engine, read_manifest
 from .engine.directory import tensor_parallel_size as engine_tensor_parallel_size
-from .engine.kernel_cache import KernelCache
+from .engine.kernel_cache import KernelCache, compile_summary
 from .engine.progress import phase
 from .llm.generate import SamplingParams
 from .llm.lora_layers import LoraBank
@@ -210,6 +210,7 @@ class TensorRTMMExporter(ITritonDeployable):
             if restored is not None:
                 scheduler.on_captured = kernels.save  # the background captures' choices too
                 details.append(f"{restored.describe()}; {'saved' if kernels.save() else 'not saved'}")
+            details.append(compile_summary())
             note["detail"] = "; ".join(detail for detail in details if detail)
 
     def close(self) -> None:

@@ -331,6 +331,31 @@ def test_compile_caches_go_into_the_cache_folder_unless_the_user_chose(tmp_path,
     assert (cache.folder / "inductor").is_dir()
 
 
+
+def test_torch_compile_output_is_kept_in_the_cache_folder_between_starts(tmp_path):
+    """Two fresh processes compile the same function with the cache folder's compile dirs: the second takes the
+    compiled graph from the cache, and the summary for the warm-up's phase line says so."""
+    code = ("import json, os, sys, torch; from pathlib import Path; "
+            "from exporter.engine.kernel_cache import KernelCache, compile_summary; "
+            "print(json.dumps(compile_summary())); "
+            f"KernelCache(Path({str(tmp_path)!r}), {IDENTITY!r}).use_compile_dirs(); "
+            "f = torch.compile(lambda x: torch.nn.functional.silu(x) * x + 1, fullgraph=True); "
+            "f(torch.ones(8)); print(json.dumps(compile_summary()))")
+    environment = {key: value for key, value in os.environ.items() if key not in ("TORCHINDUCTOR_CACHE_DIR",
+                                                                                   "TRITON_CACHE_DIR")}
+    summaries = []
+    for _ in range(2):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                                env={**environment, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert result.returncode == 0, result.stderr[-2000:]
+        summaries.append([json.loads(line) for line in result.stdout.strip().splitlines()[-2:]])
+    assert summaries[0][0] == summaries[1][0] == ""  # nothing compiled yet: nothing to say
+    assert summaries[0][1].startswith("torch.compile: 1 graphs in ") and summaries[0][1].endswith(
+        ", 0 from the compile cache")
+    assert summaries[1][1].endswith(", 1 from the compile cache")
+    assert any((KernelCache(tmp_path, IDENTITY).folder / "inductor").iterdir())
+
+
 # --- the engine directory --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
