@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -152,19 +153,28 @@ def test_warm_up_captures_everything_by_default(model, captures):
     assert scheduler.capture_stats["left"] == 0 and not scheduler._capture_later
 
 
-def test_a_failing_background_capture_leaves_the_steps_eager(model, captures, monkeypatch):
-    scheduler = _graphed_scheduler(model, captures)
-    scheduler.warm_up(rest_in_background=True)
-    monkeypatch.setattr(cuda_graphs, "capture", lambda fn, pool: 1 / 0)
+def _ready_and_eager(scheduler: Scheduler, monkeypatch, capture) -> None:
+    """Captures by ``capture``, every step eager, the server READY at once (a short idle time), the thread started."""
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
     monkeypatch.setattr(cuda_graphs.ForwardStep, "_graph_key", lambda *args: None)
     scheduler.capture_after_idle_s = 0.05
     scheduler.capture_in_background()
     scheduler.start()
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+def test_a_failing_background_capture_leaves_the_steps_eager(model, captures, monkeypatch):
+    scheduler = _graphed_scheduler(model, captures)
+    scheduler.warm_up(rest_in_background=True)
+    _ready_and_eager(scheduler, monkeypatch, capture=lambda fn, pool: 1 / 0)
     try:
-        deadline = time.monotonic() + 30
-        while scheduler._capture_later and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not scheduler._capture_later  # gave up after the failure
+        _wait_until(lambda: not scheduler._capture_later)  # gave up after the failure
         embeds, ids, params = _prompts(model)[0]
         expected = generate(model, [embeds], [ids], [params], eos_id=None)[0][0]
         assert scheduler.submit(embeds, ids, params).result(timeout=60) == expected
@@ -183,16 +193,9 @@ def test_a_request_during_the_background_captures_waits_for_one_capture_at_most(
         time.sleep(0.3)
         return result
 
-    monkeypatch.setattr(cuda_graphs, "capture", slow_capture)
-    monkeypatch.setattr(cuda_graphs.ForwardStep, "_graph_key", lambda *args: None)
-    scheduler.capture_after_idle_s = 0.05
-    scheduler.capture_in_background()
-    scheduler.start()
+    _ready_and_eager(scheduler, monkeypatch, capture=slow_capture)
     try:
-        deadline = time.monotonic() + 30
-        while len(captures) == before and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert len(captures) > before, "no background capture started"
+        _wait_until(lambda: len(captures) > before)  # a background capture started
         embeds, ids, params = _prompts(model)[0]
         submitted = time.monotonic()
         handle = scheduler.submit(embeds, ids, params)
