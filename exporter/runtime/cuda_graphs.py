@@ -363,11 +363,12 @@ class ForwardStep:
 
     def graph_keys(self) -> list[tuple[int, int, bool, bool]]:
         """Every (row bucket, chunk bucket, full choice, LoRA) a step can take, those a first request uses first
-        (``first_keys``), then by rows and chunk size, smallest first. Beside decode rows only the chunk buckets up
-        to the one holding ``chunk_beside_rows`` (the scheduler's chunks there)."""
+        (``first_keys``), then decode on every row (which a decode step of fewer rows runs padded until its own
+        graph is captured), then by rows and chunk size, smallest first. Beside decode rows only the chunk buckets
+        up to the one holding ``chunk_beside_rows`` (the scheduler's chunks there)."""
         beside = self.chunk_buckets[-1] if self.chunk_beside_rows is None else \
             next((c for c in self.chunk_buckets if c >= self.chunk_beside_rows), self.chunk_buckets[-1])
-        first = self.first_keys()
+        first = self.first_keys() + [(self.buckets[-1], 0, full, False) for full in (False, True)]
         others = [(rows, padded, full, lora) for rows in [0, *self.buckets] for padded in [0, *self.chunk_buckets]
                   if (rows or padded) and (not rows or padded <= beside)
                   for full in ((False, True) if rows else (False,))
@@ -376,11 +377,9 @@ class ForwardStep:
 
     def first_keys(self) -> list[tuple[int, int, bool, bool]]:
         """The graphs a first request runs: its prompt's chunks alone (every chunk bucket), then its decode steps
-        on one row (argmax and full choice); no LoRA. Then the decode steps on every row, which the decode steps
-        of a few rows run padded until their own graphs are captured."""
-        rows = sorted({1, self.buckets[-1]})
-        return [(0, padded, False, False) for padded in self.chunk_buckets] + [
-            (count, 0, full, False) for count in rows for full in (False, True)]
+        on one row (argmax and full choice); no LoRA."""
+        return [(0, padded, False, False) for padded in self.chunk_buckets] + [(1, 0, False, False),
+                                                                                (1, 0, True, False)]
 
     def uncaptured(self) -> int:
         """How many of ``graph_keys``' graphs are not captured yet (0 where graphs are off)."""
