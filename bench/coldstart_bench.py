@@ -236,6 +236,7 @@ def run(args: argparse.Namespace) -> dict:
     dtype = "bfloat16"
     work = Path(tempfile.mkdtemp(prefix="coldstart-", dir=args.workdir))
     out = Path(os.environ.get("OUT", work))
+    out.mkdir(parents=True, exist_ok=True)
     result: dict = {"shape": shape_name, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                     "torch": torch.__version__, "cpus": os.cpu_count(), "work": str(work), **limits}
     try:

@@ -171,6 +171,9 @@ class DeployPyTriton:
             self._metrics_server = MetricsServer(self.metrics, self.address, self.metrics_port,
                                                  f"http://127.0.0.1:{self._triton_metrics_port}/metrics")
             self._metrics_server.start()
+            started = getattr(self.model, "serving_started", None)
+            if started is not None:  # work the model keeps for after READY (the other step graphs' captures)
+                started()
         except BaseException:
             self.stop()
             raise

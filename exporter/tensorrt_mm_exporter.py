@@ -30,7 +30,7 @@ from wire import (
 
 from .engine import Engine, EngineLimits, LoraOptions, export_engine, load_engine, read_manifest
 from .engine.directory import tensor_parallel_size as engine_tensor_parallel_size
-from .engine.kernel_cache import KernelCache
+from .engine.kernel_cache import KernelCache, compile_summary
 from .engine.progress import phase
 from .llm.generate import SamplingParams
 from .llm.lora_layers import LoraBank
@@ -210,6 +210,7 @@ class TensorRTMMExporter(ITritonDeployable):
             if restored is not None:
                 scheduler.on_captured = kernels.save  # the background captures' choices too
                 details.append(f"{restored.describe()}; {'saved' if kernels.save() else 'not saved'}")
+            details.append(compile_summary())
             note["detail"] = "; ".join(detail for detail in details if detail)
 
     def close(self) -> None:
@@ -252,6 +253,7 @@ class TensorRTMMExporter(ITritonDeployable):
                                 repetition_penalty=repetition_penalty, num_beams=num_beams)
         results = pipeline.run([Request(t, m, params, apply_chat_template, lora_uid=uid)
                                 for t, m, uid in zip(texts, media, uids)])
+        self.serving_started()  # no server says READY here: the first request answered does
         for result in results:
             if isinstance(result, Exception):
                 raise result
@@ -259,7 +261,14 @@ class TensorRTMMExporter(ITritonDeployable):
 
     def generate(self, requests: Sequence[Request]) -> list[Completion | Exception]:
         """Answer pipeline requests together; each gets its :class:`Completion` or its own exception."""
-        return self._require_pipeline().run(list(requests))
+        results = self._require_pipeline().run(list(requests))
+        self.serving_started()
+        return results
+
+    def serving_started(self) -> None:
+        """The server is READY (or the first requests are answered): the step graphs the warm-up left for later
+        are captured from now on, one at a time while no request runs."""
+        self._require_pipeline().scheduler.capture_in_background()
 
     def stream(self, request: Request) -> Iterator[str]:
         """Yield the text of one request's answer piece by piece as it is generated."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ import torch
 from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder
 from exporter.runtime import cuda_graphs
-from exporter.runtime.scheduler import CAPTURE_AFTER_IDLE_S, Scheduler, generate
+from exporter.runtime.scheduler import Scheduler, generate
 from support.decoders import SCHEDULER_VOCAB, scheduler_decoder
 
 
@@ -104,11 +105,16 @@ def test_first_request_graphs_before_ready_the_rest_when_idle(model, captures):
     first, every = forward.first_keys(), forward.graph_keys()
     assert sorted(forward.graphs) == sorted(first) and 0 < len(first) < len(every)
     assert {rows for rows, *_ in first} == {0, 1} and {padded for _, padded, *_ in first} > {0}
+    assert every[len(first):len(first) + 2] == [(4, 0, False, False), (4, 0, True, False)]  # all rows next
     assert scheduler.capture_stats["before"] == len(first)
     assert scheduler.capture_stats["left"] == len(every) - len(first)
     assert captures == [("MainThread", False)] * len(first)
+    scheduler.capture_after_idle_s = 0.2
     scheduler.start()
     try:
+        time.sleep(1.0)
+        assert len(captures) == len(first)  # not before the server is READY, however long it idles
+        scheduler.capture_in_background()
         assert done.wait(60), "the background captures did not finish"
     finally:
         scheduler.stop()
@@ -124,6 +130,8 @@ def test_background_captures_wait_for_the_requests(model, captures, monkeypatch)
     handles = [scheduler.submit(*prompt) for prompt in _prompts(model)]  # before the thread starts
     done = threading.Event()
     scheduler.on_captured = done.set
+    scheduler.capture_after_idle_s = 0.5
+    scheduler.capture_in_background()
     scheduler.start()
     try:
         for handle in handles:
@@ -135,7 +143,7 @@ def test_background_captures_wait_for_the_requests(model, captures, monkeypatch)
     assert all(not busy for _, busy in captures)  # no capture while a request was admitted or waiting
     background = captures.times[len(scheduler.forward.first_keys()):]
     assert background and min(background) >= answered  # none between the requests
-    assert min(background) - answered >= CAPTURE_AFTER_IDLE_S / 2  # nor right after (the next may come)
+    assert min(background) - answered >= 0.5 / 2  # nor right after (the next may come)
     assert scheduler.decode_steps > 0
 
 
@@ -146,19 +154,97 @@ def test_warm_up_captures_everything_by_default(model, captures):
     assert scheduler.capture_stats["left"] == 0 and not scheduler._capture_later
 
 
+def _ready_and_eager(scheduler: Scheduler, monkeypatch, capture) -> None:
+    """Captures by ``capture``, every step eager, the server READY at once (a short idle time), the thread started."""
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
+    monkeypatch.setattr(cuda_graphs.ForwardStep, "_graph_key", lambda *args: None)
+    scheduler.capture_after_idle_s = 0.05
+    scheduler.capture_in_background()
+    scheduler.start()
+
+
+def _wait_until(condition: Callable[[], bool], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
 def test_a_failing_background_capture_leaves_the_steps_eager(model, captures, monkeypatch):
     scheduler = _graphed_scheduler(model, captures)
     scheduler.warm_up(rest_in_background=True)
-    monkeypatch.setattr(cuda_graphs, "capture", lambda fn, pool: 1 / 0)
-    monkeypatch.setattr(cuda_graphs.ForwardStep, "_graph_key", lambda *args: None)
-    scheduler.start()
+    _ready_and_eager(scheduler, monkeypatch, capture=lambda fn, pool: 1 / 0)
     try:
-        deadline = time.monotonic() + 30
-        while scheduler._capture_later and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert not scheduler._capture_later  # gave up after the failure
+        _wait_until(lambda: not scheduler._capture_later)  # gave up after the failure
         embeds, ids, params = _prompts(model)[0]
         expected = generate(model, [embeds], [ids], [params], eos_id=None)[0][0]
         assert scheduler.submit(embeds, ids, params).result(timeout=60) == expected
     finally:
         scheduler.stop()
+
+
+def test_a_request_during_the_background_captures_waits_for_one_capture_at_most(model, captures, monkeypatch):
+    scheduler = _graphed_scheduler(model, captures)
+    scheduler.warm_up(rest_in_background=True)
+    before = len(captures)
+    recorded = cuda_graphs.capture
+
+    def slow_capture(fn, pool):  # a capture that compiles and times kernels: long against a step
+        result = recorded(fn, pool)
+        time.sleep(0.3)
+        return result
+
+    _ready_and_eager(scheduler, monkeypatch, capture=slow_capture)
+    try:
+        _wait_until(lambda: len(captures) > before)  # a background capture started
+        embeds, ids, params = _prompts(model)[0]
+        submitted = time.monotonic()
+        handle = scheduler.submit(embeds, ids, params)
+        handle.result(timeout=60)
+        answered = time.monotonic()
+    finally:
+        scheduler.stop()
+    started_meanwhile = [t for t in captures.times[before:] if submitted < t < answered]
+    assert started_meanwhile == []  # the capture under way finished, no other started before the answer
+    assert handle.admitted_at - submitted < 0.3 + 5.0  # at most the one capture (and a loaded machine's slack)
+    assert scheduler.forward.uncaptured() > 0  # the captures had not all happened before the request
+
+
+def test_a_step_whose_graph_is_not_captured_yet_runs_a_bigger_captured_bucket(model, captures, monkeypatch):
+    """Decode steps of 2 rows replay the 4-row graph, the first captured in the background (its extra rows idle); prompt
+    chunks run eagerly here (their static layout is read by the CUDA kernels only)."""
+    compute, key_of = cuda_graphs.ForwardStep._compute, cuda_graphs.ForwardStep._graph_key
+
+    class Replayed:
+        def __init__(self, fn):
+            self.fn, self.output = fn, fn()
+
+        def replay(self):
+            self.output.copy_(self.fn())
+
+    def capture(fn, pool):
+        graph = Replayed(fn)
+        return graph, graph.output
+
+    def full_span(self, rows, chunk, full, span, lora=False):  # the CPU attention gathers every key a row has
+        return compute(self, rows, chunk, full, span or self.tables.shape[1] * self.cache.block_size, lora)
+
+    monkeypatch.setattr(cuda_graphs, "capture", capture)
+    monkeypatch.setattr(cuda_graphs.ForwardStep, "_compute", full_span)
+    monkeypatch.setattr(cuda_graphs.ForwardStep, "_graph_key",
+                        lambda self, rows, pieces, *rest: None if pieces else key_of(self, rows, pieces, *rest))
+    prompts = [(embeds, ids, SamplingParams(max_output_len=length))  # the last row ends first: 2 rows decode
+               for (embeds, ids, _), length in zip(_prompts(model), (9, 7, 3))]
+    expected = [generate(model, [embeds], [ids], [params], eos_id=None)[0][0] for embeds, ids, params in prompts]
+    scheduler = _graphed_scheduler(model, captures)
+    scheduler.warm_up(rest_in_background=True)
+    assert scheduler.forward.capture_next() and scheduler.forward.capture_next()  # the first background ones
+    assert (4, 0, False, False) in scheduler.forward.graphs and (2, 0, False, False) not in scheduler.forward.graphs
+    handles = [scheduler.submit(*prompt) for prompt in prompts]
+    scheduler.start()
+    try:
+        assert [handle.result(timeout=60) for handle in handles] == expected
+    finally:
+        scheduler.stop()
+    assert scheduler.forward.padded_steps > 0 and scheduler.forward.eager_steps == 0
+    assert (2, 0, False, False) not in scheduler.forward.graphs  # nothing captured for it: not READY yet

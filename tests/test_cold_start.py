@@ -331,6 +331,31 @@ def test_compile_caches_go_into_the_cache_folder_unless_the_user_chose(tmp_path,
     assert (cache.folder / "inductor").is_dir()
 
 
+
+def test_torch_compile_output_is_kept_in_the_cache_folder_between_starts(tmp_path):
+    """Two fresh processes compile the same function with the cache folder's compile dirs: the second takes the
+    compiled graph from the cache, and the summary for the warm-up's phase line says so."""
+    code = ("import json, os, sys, torch; from pathlib import Path; "
+            "from exporter.engine.kernel_cache import KernelCache, compile_summary; "
+            "print(json.dumps(compile_summary())); "
+            f"KernelCache(Path({str(tmp_path)!r}), {IDENTITY!r}).use_compile_dirs(); "
+            "f = torch.compile(lambda x: torch.nn.functional.silu(x) * x + 1, fullgraph=True); "
+            "f(torch.ones(8)); print(json.dumps(compile_summary()))")
+    environment = {key: value for key, value in os.environ.items() if key not in ("TORCHINDUCTOR_CACHE_DIR",
+                                                                                   "TRITON_CACHE_DIR")}
+    summaries = []
+    for _ in range(2):
+        result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600,
+                                env={**environment, "PYTHONPATH": os.pathsep.join(sys.path)})
+        assert result.returncode == 0, result.stderr[-2000:]
+        summaries.append([json.loads(line) for line in result.stdout.strip().splitlines()[-2:]])
+    assert summaries[0][0] == summaries[1][0] == ""  # nothing compiled yet: nothing to say
+    assert summaries[0][1].startswith("torch.compile: 1 graphs in ") and summaries[0][1].endswith(
+        ", 0 from the compile cache")
+    assert summaries[1][1].endswith(", 1 from the compile cache")
+    assert any((KernelCache(tmp_path, IDENTITY).folder / "inductor").iterdir())
+
+
 # --- the engine directory --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -375,3 +400,36 @@ def test_progress_is_logged_in_quarters_off_a_terminal(caplog):
             advance(512 << 20)
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [f"loading the LLM weights: {p}% of 8.59 GB" for p in (25, 50, 75)]
+
+
+@pytest.mark.parametrize("tower_type", ["clip", "siglip"])
+def test_export_builds_the_tower_without_transformers_and_with_its_defaults(tmp_path, tower_type):
+    """A tower folder's config.json that leaves defaults out: the engine's spec holds the values transformers' own
+    config class gives them, and building the tower imports no transformers."""
+    from omegaconf import OmegaConf
+    from support.vision_towers import model_config, projector_state, tiny_tower
+
+    reference = tiny_tower(tower_type)
+    reference.save_pretrained(tmp_path / "tower")
+    written = tmp_path / "tower" / "config.json"
+    minimal = {key: value for key, value in json.loads(written.read_text()).items()
+               if key not in ("hidden_act", "layer_norm_eps", "num_channels")}  # as older writers leave them
+    written.write_text(json.dumps(minimal))
+    OmegaConf.save(model_config("linear", model_type=tower_type, num_attention_heads=None), tmp_path / "cfg.yaml")
+    torch.save(projector_state("linear"), tmp_path / "state.pt")
+    code = ("import json, sys, torch; from omegaconf import OmegaConf; "
+            "from exporter.perception.vision_encoder import build_vision_encoder; "
+            f"folder = {str(tmp_path)!r}; "
+            "encoder = build_vision_encoder(OmegaConf.load(folder + '/cfg.yaml'), torch.load(folder + '/state.pt'), "
+            "vision_tower_path=folder + '/tower'); "
+            "print(json.dumps([encoder.spec()['tower']['config'], 'transformers' in sys.modules]))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    config, imported = json.loads(result.stdout.strip().splitlines()[-1])
+    assert not imported
+    expected = reference.config
+    for field in ("hidden_size", "intermediate_size", "num_attention_heads", "num_channels", "image_size",
+                  "patch_size", "hidden_act", "layer_norm_eps"):
+        assert config[field] == getattr(expected, field), field
+    assert config["num_hidden_layers"] == expected.num_hidden_layers - 1  # trimmed to the feature layer (-2)

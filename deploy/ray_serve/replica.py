@@ -41,6 +41,7 @@ class EngineReplica:
             raise DeployError(f"no exported model in {model_dir} on this node; export it there (or onto storage "
                               "every node mounts at that path)")
         self.exporter.triton_infer_fn(**self.exporter.triton_warmup_request())  # READY only once a request ran
+        self.exporter.serving_started()
         LOGGER.info("model replica ready: %s on %s, %d torch threads", model_dir, self.exporter.device,
                     torch.get_num_threads())
 

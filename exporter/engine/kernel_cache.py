@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,6 +130,22 @@ class KernelCache:
         except OSError:
             return False
         return os.access(self.folder, os.W_OK)
+
+
+def compile_summary() -> str:
+    """torch.compile's work in this process so far, for a phase line: graphs, seconds and how many came from the
+    compile cache ("" where nothing was compiled). Dynamo traces every graph at every start; the cache keeps what
+    follows the tracing (the AOT and Inductor output and its kernels)."""
+    if "torch._dynamo" not in sys.modules:  # nothing compiled: importing it would cost time
+        return ""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    if not graphs:
+        return ""
+    seconds = sum(compilation_time_metrics.get("_compile.compile_inner", ()))
+    return (f"torch.compile: {graphs} graphs in {seconds:.2f} s, {counters['inductor']['fxgraph_cache_hit']} "
+            "from the compile cache")
 
 
 def _tuned_entries(kernel: Any) -> list[list]:

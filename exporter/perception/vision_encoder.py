@@ -36,9 +36,9 @@ def _tokens_per_image(spec: Mapping[str, Any]) -> int:
 
 
 class VisionEncoder(nn.Module):
-    """HF vision tower (trimmed to the feature layer) + token selection + NeMo projector."""
+    """Vision tower (`vit.VisionTransformer`, trimmed to the feature layer) + token selection + NeMo projector."""
 
-    def __init__(self, tower: nn.Module, projector: nn.Module, spec: Mapping[str, Any]):
+    def __init__(self, tower: VisionTransformer, projector: nn.Module, spec: Mapping[str, Any]):
         super().__init__()
         self.tower = tower
         self.projector = projector
@@ -64,14 +64,7 @@ class VisionEncoder(nn.Module):
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         """`[B, 3, S, S]` pixels -> `[B, tokens_per_image, llm_hidden_size]` features."""
-        if isinstance(self.tower, VisionTransformer):
-            hidden = self.tower(pixels.to(self.dtype))
-        else:  # transformers' model (export)
-            inner = getattr(self.tower, "vision_model", self.tower)  # transformers 4.x nests the transformer
-            hidden = inner.embeddings(pixels.to(self.dtype))
-            if self._spec["tower"]["type"] == "clip":
-                hidden = inner.pre_layrnorm(hidden)
-            hidden = inner.encoder(inputs_embeds=hidden).last_hidden_state
+        hidden = self.tower(pixels.to(self.dtype))
         return self.projector(hidden[:, self._spec["dropped_tokens"] :])
 
     def spec(self) -> dict[str, Any]:
@@ -131,7 +124,6 @@ def build_vision_encoder(
     vision_tower_path: str | os.PathLike | None = None,
     *,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
     max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> VisionEncoder:
     """The vision encoder of a NeMo multimodal model from its config (`mm_cfg`, `data`, `hidden_size`) and
@@ -159,7 +151,6 @@ def build_vision_encoder(
         vision_tower_path,
         select_layer=select_layer,
         dtype=dtype,
-        attn_implementation=attn_implementation,
     )
     tower_hidden = int(tower.hf_config["hidden_size"])
     vision_hidden = int(vision_cfg.get("hidden_size") or tower_hidden)

@@ -1,4 +1,4 @@
-"""Vision towers (transformers CLIP / SigLIP vision models) resolved from a NeMo config, never downloaded.
+"""Vision towers (CLIP / SigLIP, built as `vit.VisionTransformer`) resolved from a NeMo config, never downloaded.
 
 Resolution order:
 (a) tower weights stored in the checkpoint (unfrozen tower); the architecture then comes from a local
@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .vit import VisionTransformer
 
 TOWER_PREFIX = "embedding.word_embeddings.vision_encoder."
 TOWER_TYPES = ("clip", "siglip")
@@ -248,12 +250,26 @@ def resolve_tower_source(
     )
 
 
-def _skip_random_init():
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # transformers 4.x
-        from transformers.modeling_utils import no_init_weights
-    return no_init_weights()
+# The architecture fields the tower reads, where a config leaves them out (transformers' CLIPVisionConfig and
+# SiglipVisionConfig defaults)
+_DEFAULTS = {
+    "clip": dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+                 num_channels=3, image_size=224, patch_size=32, hidden_act="quick_gelu", layer_norm_eps=1e-5),
+    "siglip": dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+                   num_channels=3, image_size=224, patch_size=16, hidden_act="gelu_pytorch_tanh",
+                   layer_norm_eps=1e-6),
+}
+
+
+def tower_config(tower_type: str, hf_config: Mapping[str, Any], keep_layers: int | None = None) -> dict[str, Any]:
+    """The vision config with the defaults of the fields the tower reads filled in, JSON-safe; ``keep_layers``
+    trims it to its first layers (and drops SigLIP's pooling head)."""
+    config = json.loads(json.dumps({**_DEFAULTS[tower_type], **dict(hf_config)}))
+    if keep_layers is not None:
+        config["num_hidden_layers"] = keep_layers
+        if tower_type == "siglip":
+            config["vision_use_head"] = False
+    return config
 
 
 def instantiate_tower(
@@ -263,55 +279,26 @@ def instantiate_tower(
     *,
     keep_layers: int | None = None,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
-) -> nn.Module:
-    """A transformers CLIPVisionModel / SiglipVisionModel holding `weights`.
+) -> VisionTransformer:
+    """The project's CLIP / SigLIP tower (`vit.VisionTransformer`) holding `weights`.
 
     `keep_layers` trims the encoder to its first layers (features are read after them) and drops SigLIP's
     pooling head; the weights of dropped parts are ignored, any other missing or extra weight is an error.
     """
-    from transformers import CLIPVisionConfig, CLIPVisionModel, SiglipVisionConfig, SiglipVisionModel
-
-    config_cls, model_cls = {
-        "clip": (CLIPVisionConfig, CLIPVisionModel),
-        "siglip": (SiglipVisionConfig, SiglipVisionModel),
-    }[tower_type]
-    config_dict = dict(hf_config)
-    if keep_layers is not None:
-        config_dict["num_hidden_layers"] = keep_layers
-        if tower_type == "siglip":
-            config_dict["vision_use_head"] = False
-    config = config_cls.from_dict(config_dict)
-    with _skip_random_init():
-        model = model_cls._from_config(config, attn_implementation=attn_implementation)
-    model.to(dtype).eval().requires_grad_(False)
-
-    own_prefix = _HF_PREFIX if any(k.startswith(_HF_PREFIX) for k in model.state_dict()) else ""
-    expected = {k[len(own_prefix) :] for k in model.state_dict()}
+    config = tower_config(tower_type, hf_config, keep_layers)
+    layers = int(config["num_hidden_layers"])
     given = strip_hf_prefix(weights)
-    missing = sorted(expected - set(given))
-    layers = config.num_hidden_layers
-
-    def ignorable(key: str) -> bool:
-        match = _LAYER_KEY.match(key)
-        return (match is not None and int(match.group(1)) >= layers) or (
-            key.startswith("head.") and not getattr(config, "vision_use_head", True)
-        )
-
-    unexpected = sorted(k for k in set(given) - expected if not ignorable(k))
-    if missing or unexpected:
-        raise VisionTowerError(
-            f"vision tower weights do not match the {tower_type} config: missing {missing[:8]}, "
-            f"unexpected {unexpected[:8]}"
-        )
+    kept = {key: tensor for key, tensor in given.items()
+            if not ((match := _LAYER_KEY.match(key)) is not None and int(match.group(1)) >= layers)}
+    present = {int(match.group(1)) for key in kept if (match := _LAYER_KEY.match(key))}
+    if present != set(range(layers)):
+        absent = sorted(set(range(layers)) - present)
+        raise VisionTowerError(f"vision tower weights do not match the {tower_type} config: encoder layers "
+                               f"{absent[:8]} missing")
     try:
-        model.load_state_dict({own_prefix + k: given[k] for k in expected})
-    except RuntimeError as error:
-        details = "; ".join(str(error).splitlines()[1:4])
-        raise VisionTowerError(
-            f"vision tower weights do not match the {tower_type} config: {details}"
-        ) from None
-    return model
+        return VisionTransformer.from_weights(tower_type, config, kept, dtype)
+    except ValueError as error:
+        raise VisionTowerError(str(error)) from None
 
 
 @dataclass
@@ -324,14 +311,6 @@ class VisionTower:
     patch_size: int
     hf_config: dict[str, Any]
     preprocessor_config: dict[str, Any] | None
-
-
-def architecture_config(config: Any) -> dict[str, Any]:
-    """The architecture fields of an HF vision config (no PretrainedConfig bookkeeping), JSON-safe."""
-    from transformers import PretrainedConfig
-
-    generic = set(PretrainedConfig().to_dict())
-    return json.loads(json.dumps({k: v for k, v in config.to_dict().items() if k not in generic}))
 
 
 def feature_layer_index(select_layer: int, num_layers: int) -> int:
@@ -352,7 +331,6 @@ def build_vision_tower(
     *,
     select_layer: int | None = None,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
 ) -> VisionTower:
     """Resolves (see module docstring) and instantiates the tower of a NeMo multimodal config.
 
@@ -367,13 +345,12 @@ def build_vision_tower(
         source.weights,
         keep_layers=keep,
         dtype=dtype,
-        attn_implementation=attn_implementation,
     )
     return VisionTower(
         module,
         source.tower_type,
         source.image_size,
         source.patch_size,
-        architecture_config(module.config),
+        tower_config(source.tower_type, source.hf_config, keep),
         source.preprocessor_config,
     )

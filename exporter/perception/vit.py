@@ -36,7 +36,7 @@ class _Embeddings(nn.Module):
     def forward(self, pixels: Tensor) -> Tensor:
         patches = self.patch_embedding(pixels).flatten(2).transpose(1, 2)  # [B, grid², H]
         if self.class_embedding is not None:
-            patches = torch.cat([self.class_embedding.expand(len(patches), 1, -1), patches], 1)
+            patches = torch.cat([self.class_embedding.expand(patches.shape[0], 1, -1), patches], 1)  # traceable batch
         return patches + self.position_embedding.weight
 
 

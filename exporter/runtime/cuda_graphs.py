@@ -172,7 +172,8 @@ class ForwardStep:
     not) with the block tables, the chooser's state and the chunk's buffers as its inputs; a chunk of more than
     ``MAX_PIECES`` pieces or ``max_chunk`` tokens, and every step elsewhere, runs eagerly. A graph not captured
     ahead (``capture_all``, ``capture_next``) is captured by the first step that needs it, or with
-    ``capture_on_demand`` off (a server, whose requests must not wait for a capture) that step runs eagerly.
+    ``capture_on_demand`` off (a server, whose requests must not wait for a capture) that step runs the graph of
+    a bigger bucket already captured (padded), else eagerly.
 
     Tensor parallel (the model's ``tp`` set): rank 0's step tells the other ranks' twins (``follower``) what it
     does (a message, then ``_share_inputs``: the chooser's state, the tables and the chunk's metadata), and every
@@ -199,6 +200,7 @@ class ForwardStep:
         self.capture_on_demand = True  # a step whose graph is missing captures it (else it runs eagerly)
         self.chunk_beside_rows: int | None = None  # the largest chunk a step with decode rows takes (None: any)
         self.eager_steps = 0  # steps of a captured shape that ran eagerly, their graph not captured yet
+        self.padded_steps = 0  # steps that ran a bigger bucket's graph, their own not captured yet
         self.adapters = None if model.lora is None else torch.zeros(tables.shape[0], dtype=torch.long, device=device)
         if self.enabled:
             self.allocate_static_inputs()
@@ -273,8 +275,11 @@ class ForwardStep:
         full = full and rows > 0
         lora = lora and self.adapters is not None
         key = self._graph_key(rows, pieces, tokens_in_chunk, full, lora)
-        if key not in self.graphs and (key is None or not self.capture_on_demand):
-            self.eager_steps += key is not None
+        if key is not None and key not in self.graphs and not self.capture_on_demand:
+            key = self._captured_above(key)
+            self.padded_steps += key is not None
+            self.eager_steps += key is None
+        if key is None or key not in self.graphs and not self.capture_on_demand:
             chunk = self._chunk(pieces, tokens_in_chunk) if pieces else None
             key, decoded = None, rows
             layout = None if chunk is None else ("eager", tokens_in_chunk, len(pieces), _tile_count(pieces),
@@ -305,6 +310,19 @@ class ForwardStep:
         decoded = next(b for b in self.buckets if b >= rows) if rows else 0
         padded = next(c for c in self.chunk_buckets if c >= tokens_in_chunk) if pieces else 0
         return decoded, padded, full, lora
+
+    def _captured_above(self, key: tuple[int, int, bool, bool]) -> tuple[int, int, bool, bool] | None:
+        """The captured graph that runs a step of ``key``'s shape padded at the least cost (the smallest chunk
+        bucket, then row bucket, at least ``key``'s, with the same choice and LoRA; decode rows only where ``key``
+        has some, a chunk likewise), or None."""
+        rows, padded, full, lora = key
+        fits = [(other_padded, other_rows) for other_rows, other_padded, *rest in self.graphs
+                if tuple(rest) == (full, lora) and (other_rows >= rows if rows else other_rows == 0)
+                and (other_padded >= padded if padded else other_padded == 0)]
+        if not fits:
+            return None
+        padded, rows = min(fits)
+        return rows, padded, full, lora
 
     def _run(self, rows: int, furthest: int, chunk: _ChunkInputs | None, key: tuple | None, full: bool, lora: bool,
              beam_rows: Tensor | None, beams_from: int) -> Tensor:
@@ -345,11 +363,12 @@ class ForwardStep:
 
     def graph_keys(self) -> list[tuple[int, int, bool, bool]]:
         """Every (row bucket, chunk bucket, full choice, LoRA) a step can take, those a first request uses first
-        (``first_keys``), then by rows and chunk size, smallest first. Beside decode rows only the chunk buckets up
-        to the one holding ``chunk_beside_rows`` (the scheduler's chunks there)."""
+        (``first_keys``), then decode on every row (which a decode step of fewer rows runs padded until its own
+        graph is captured), then by rows and chunk size, smallest first. Beside decode rows only the chunk buckets
+        up to the one holding ``chunk_beside_rows`` (the scheduler's chunks there)."""
         beside = self.chunk_buckets[-1] if self.chunk_beside_rows is None else \
             next((c for c in self.chunk_buckets if c >= self.chunk_beside_rows), self.chunk_buckets[-1])
-        first = self.first_keys()
+        first = self.first_keys() + [(self.buckets[-1], 0, full, False) for full in (False, True)]
         others = [(rows, padded, full, lora) for rows in [0, *self.buckets] for padded in [0, *self.chunk_buckets]
                   if (rows or padded) and (not rows or padded <= beside)
                   for full in ((False, True) if rows else (False,))

@@ -193,9 +193,10 @@ DEFAULT_MAX_NUM_TOKENS = 2048  # a lone prompt's chunk: 600-position image promp
 # 4.5 of them, shared), so the decoding rows' step stays within ~1.8x a plain one, while a 16k prompt beside them
 # takes ~70 steps (256: ~107, a time to first token ~1.7x its lone prefill's, over the 1.3x asked).
 DECODE_CHUNK_TOKENS = 384
-# A background capture starts once the scheduler has had nothing to do this long (requests sent one after another
-# meet no capture; one arriving during a capture waits for that graph).
-CAPTURE_AFTER_IDLE_S = 0.5
+# Once the server is READY (``capture_in_background``), a background capture starts when the scheduler has had
+# nothing to do this long (requests sent one after another meet no capture; one arriving during a capture waits for
+# that one graph at most).
+CAPTURE_AFTER_IDLE_S = 2.0
 
 
 class Scheduler:
@@ -264,7 +265,9 @@ class Scheduler:
         self._stopping = False
         self.capture_stats: dict[str, float] = {}  # warm_up's graphs and seconds, before READY and after
         self.on_captured: Callable[[], None] | None = None  # called once the background captures are done
+        self.capture_after_idle_s = CAPTURE_AFTER_IDLE_S
         self._capture_later = False
+        self._capture_from: float | None = None  # when background captures were allowed (None: not yet)
 
     # --- submission -------------------------------------------------------------------------------------------
 
@@ -331,9 +334,10 @@ class Scheduler:
     def warm_up(self, rest_in_background: bool = False) -> None:
         """Capture the step graphs now (CUDA), so that no request waits for one (seconds; the graphs share one
         memory pool): all of them, or with ``rest_in_background`` those a first request runs
-        (``ForwardStep.first_keys``), the others then captured one at a time by the scheduler's thread whenever it
-        has been idle for ``CAPTURE_AFTER_IDLE_S`` (a step meanwhile runs eagerly; a request arriving during a
-        capture waits for that one graph)."""
+        (``ForwardStep.first_keys``), the others then captured one at a time by the scheduler's thread, once
+        ``capture_in_background`` was called, whenever it has been idle for ``capture_after_idle_s`` (a step
+        meanwhile runs a bigger bucket's graph, else eagerly; a request arriving during a capture waits for that one
+        graph at most)."""
         started = time.perf_counter()
         self.forward.chunk_beside_rows = self.chunk_budget(decoding=True)
         self.forward.capture_on_demand = not rest_in_background
@@ -343,12 +347,22 @@ class Scheduler:
                                   left=self.forward.uncaptured())
         self._capture_later = rest_in_background and self.capture_stats["left"] > 0
 
+    def capture_in_background(self) -> None:
+        """Let the scheduler's thread capture the step graphs ``warm_up`` left for later (call it once the server
+        is READY, or the first requests are answered), counting the idle time from now."""
+        with self._wake:
+            if self._capture_from is None:
+                self._capture_from = time.monotonic()
+                self._wake.notify()
+
     def _loop(self) -> None:
         busy_until = time.monotonic()
         while True:
             with self._wake:
                 while not self._stopping and not self.waiting and not self._inflight and not any(self.slots):
-                    wait = busy_until + CAPTURE_AFTER_IDLE_S - time.monotonic() if self._capture_later else None
+                    wait = None
+                    if self._capture_later and self._capture_from is not None:
+                        wait = max(busy_until, self._capture_from) + self.capture_after_idle_s - time.monotonic()
                     if wait is not None and wait <= 0:
                         break
                     self._wake.wait(wait)
