@@ -20,13 +20,16 @@ Parts (each runs on its own: one that fails prints its error and the others stil
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
+import os
 import random
 import string
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -45,13 +48,16 @@ from exporter.models.neva import ImagePerception
 from exporter.models.templates import get_template
 from exporter.runtime import Pipeline, Request
 from exporter.runtime.pipeline import PHASES
+from exporter.runtime.cuda_graphs import ForwardStep, Piece
 from exporter.runtime.kv_cache import KVCacheOptions
 from exporter.runtime.scheduler import Scheduler
 
-# the scheduler's part of a request's TTFT, between the handle's milestones (submitted, admitted, prompt queued,
-# first token read) and the answer back in the caller
-SCHEDULER_PHASES = ("admission (loop wake-up, prefix match, blocks)", "prefill steps queued (host)",
-                    "prefill on the device + first token read", "answer returned")
+# the scheduler's part of a request's TTFT, between the handle's milestones (submitted, admitted, its first prefill
+# step's launch begun, its last one's launch returned, first token choice queued, first token read) and the answer
+# back in the caller: the host's launch phases against the wait for the device
+SCHEDULER_PHASES = ("admission (loop wake-up, prefix match, blocks)", "planning (host)",
+                    "prefill steps launched (host)", "first token choice queued (host)",
+                    "waiting for the device + first token read", "answer returned")
 # the static cache's numbers on the same H100 (docs/performance.md; the second question's from issue 14)
 BEFORE = {"decode_bs1_ms": 5.55, "ttft_first_ms": 17.44, "ttft_second_ms": 18.7}
 CONTEXT, NEW_TOKENS = 608, 128
@@ -254,6 +260,7 @@ def _ttft(model: Decoder, shape: dict, repeats: int) -> dict:
     size = vision.image_size
     phases: dict[str, float] = {}
     handles: list = []
+    lengths: list[int] = []
     pipeline.on_phase = lambda name, seconds: phases.__setitem__(name, phases.get(name, 0.0) + seconds * 1e3)
     pipeline.submitted.append(handles.append)
 
@@ -267,7 +274,9 @@ def _ttft(model: Decoder, shape: dict, repeats: int) -> dict:
         if isinstance(completion, Exception):
             raise completion
         (handle,) = handles
-        milestones = (handle.submitted_at, handle.admitted_at, handle.prompt_queued_at, handle.first_token_at, end)
+        lengths.append(len(handle.prompt))
+        milestones = (handle.submitted_at, handle.admitted_at, handle.prefill_started_at, handle.prefill_launched_at,
+                      handle.prompt_queued_at, handle.first_token_at, end)
         times = {"total": (end - start) * 1e3, **phases}
         times.update({name: (later - earlier) * 1e3
                       for name, earlier, later in zip(SCHEDULER_PHASES, milestones, milestones[1:])})
@@ -275,21 +284,74 @@ def _ttft(model: Decoder, shape: dict, repeats: int) -> dict:
 
     try:
         images = [rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(repeats + 2)]
+        questions = {"first": [(f"Describe image {k} in detail.", image) for k, image in enumerate(images[2:])],
+                     "second": [(f"What colour is thing {k} in it?", images[2]) for k in range(repeats)]}
         for image in images[:2]:  # warm: compile, capture, autotune
             ask("Describe the image.", image)
             ask("What is in it?", image)
-        first = [ask(f"Describe image {k} in detail.", image) for k, image in enumerate(images[2:])]
-        reused_before = pipeline.scheduler.reused_positions
-        second = [ask(f"What colour is thing {k} in it?", images[2]) for k in range(repeats)]
-        reused = (pipeline.scheduler.reused_positions - reused_before) / repeats
+        scheduler = pipeline.scheduler
+        parts = {}  # per question kind: its runs, the positions one prefilled (median) and its prompt's length
+        with _syncs_recorded(model.device) as syncs:
+            for name, asked in questions.items():
+                before = scheduler.prefilled_positions
+                runs = [ask(*question) for question in asked]
+                parts[name] = (runs, round((scheduler.prefilled_positions - before) / repeats),
+                               int(np.median(lengths[-repeats:])))
     finally:
         pipeline.close()
-    result: dict = {"ttft_second_reused_positions": reused}
-    for name, runs in (("first", first), ("second", second)):
+    result: dict = {"ttft_host_syncs": syncs}
+    for name, (runs, prefilled, length) in parts.items():
         result[f"ttft_{name}_ms"] = float(np.median([times["total"] for times in runs]))
         result[f"ttft_{name}_phases_ms"] = {phase: float(np.median([times.get(phase, 0.0) for times in runs]))
                                             for phase in (*PHASES, *SCHEDULER_PHASES) if any(phase in t for t in runs)}
+        result[f"ttft_{name}_reused_positions"] = length - prefilled
+        # its prefill step alone on an idle device (the graph the questions replayed)
+        result[f"ttft_{name}_step_ms"] = prefill_step_ms(scheduler.forward, length - prefilled, prefilled)
     return result
+
+
+@contextlib.contextmanager
+def _syncs_recorded(device: torch.device) -> Iterator[dict[str, int]]:
+    """Count the host's synchronizing CUDA calls inside the block, by the line of Python that made them (CUDA's
+    sync debug mode; on the CPU nothing is counted). Event waits (a step's token read) are not counted."""
+    syncs: dict[str, int] = {}
+    if device.type != "cuda":
+        yield syncs
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield syncs
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for warning in caught:
+        if "synchronizing" in str(warning.message):
+            where = f"{os.path.relpath(warning.filename)}:{warning.lineno}"
+            syncs[where] = syncs.get(where, 0) + 1
+
+
+def prefill_step_ms(step: ForwardStep, start: int, count: int, repeats: int = 10) -> dict[str, float]:
+    """One step prefilling ``count`` positions after ``start`` (the scheduler's graph of its chunk bucket) on an
+    idle device, median ms: the host's launch call, and the device's time for the step (CUDA events)."""
+    device = step.model.device
+    embeds = torch.zeros(count, step.model.config.hidden_size, dtype=step.model.dtype, device=device)
+    piece = Piece(embeds, start, [0] * step.tables.shape[1])  # the null block: its contents do not matter here
+    host, busy = [], []
+    for _ in range(repeats + 2):
+        synchronize(device)
+        began = time.perf_counter()
+        if device.type == "cuda":
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
+        step.launch(0, 0, [piece])
+        host.append((time.perf_counter() - began) * 1e3)
+        if device.type == "cuda":
+            events[1].record()
+        synchronize(device)
+        busy.append(events[0].elapsed_time(events[1]) if device.type == "cuda" else host[-1])
+    return {"positions": count, "after": start, "host_launch_ms": float(np.median(host[2:])),
+            "device_ms": float(np.median(busy[2:]))}
 
 
 def report(result: dict) -> str:
@@ -326,6 +388,15 @@ def report(result: dict) -> str:
         breakdown = result.get(f"ttft_{name}_phases_ms") or {}
         rows.append(f"  {name} question's TTFT by phase, median ms: "
                     + ", ".join(f"{phase} {ms:.2f}" for phase, ms in breakdown.items()))
+        alone = result.get(f"ttft_{name}_step_ms")
+        if alone:
+            rows.append(f"  {name} question's prefill step alone ({alone['positions']} positions after "
+                        f"{alone['after']}): host launch {alone['host_launch_ms']:.2f} ms, device "
+                        f"{alone['device_ms']:.2f} ms")
+    syncs = result.get("ttft_host_syncs")
+    if syncs is not None:
+        rows.append("  synchronizing host calls during the timed questions: "
+                    + (", ".join(f"{where} x{count}" for where, count in syncs.items()) or "none"))
     rows.append(f"{result.get('concurrent_requests', '-')} concurrent requests ({CONTEXT} + {NEW_TOKENS}): "
                 f"{result.get('concurrent_completed', '-')} completed, {result.get('concurrent_errors', '-')} errors, "
                 f"{value('concurrent_s')} s, {value('concurrent_tok_s', 0)} tok/s, at most "
