@@ -113,6 +113,8 @@ def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, m
         if kv_dtype == "auto":
             part(out, "concurrent", lambda: _concurrent(scheduler, sizes["concurrent"]))
             part(out, "long", lambda: _long_prompt(scheduler, sizes["long"], sizes["beside"]))
+            part(out, "mixed", lambda: _mixed_steps(scheduler, sizes["long"], sizes["beside"],
+                                                    scheduler.chunk_budget(decoding=True)))
     finally:
         scheduler.stop()
     return out
@@ -221,6 +223,75 @@ def _long_prompt(scheduler: Scheduler, length: int, beside: int) -> dict:
             "long_rows_during_p50_ms": _percentile(during_gaps, 50),
             "long_rows_during_p99_ms": _percentile(during_gaps, 99),
             "long_ttft_solo_ms": solo_ttft, "long_ttft_during_ms": during_ttft}
+
+
+def _mixed_steps(scheduler: Scheduler, length: int, beside: int, chunk: int) -> dict:
+    """The step of ``beside`` decode rows (CONTEXT positions each) and a ``chunk``-position prompt chunk, against
+    each part alone, at three points of a ``length``-position prompt (median device ms, CUDA events; the graphs
+    warm_up captured), and at the last point the combined step's device time by kernel kind (profiler)."""
+    forward, size, device = scheduler.forward, scheduler.block_size, scheduler.model.device
+    rows_blocks = -(-(CONTEXT + 1) // size)
+    held = scheduler.pool.allocate(beside * rows_blocks + -(-length // size))
+    tables = [held[r * rows_blocks: (r + 1) * rows_blocks] for r in range(beside)]
+    scheduler.tables.set(0, tables)
+    prompt_blocks = held[beside * rows_blocks:]
+    embeds = torch.zeros(chunk, scheduler.model.config.hidden_size, dtype=scheduler.model.dtype, device=device)
+    decode_args = dict(tokens=[1] * beside, positions=[CONTEXT] * beside)
+
+    def timed_step(rows: int, start: int | None) -> float:
+        pieces = [] if start is None else [Piece(embeds, start, prompt_blocks)]
+        args = decode_args if rows else {}
+        times = []
+        for _ in range(12):
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
+            synchronize(device)
+            began = time.perf_counter()
+            if events:
+                events[0].record()
+            forward.launch(rows, CONTEXT + 1, pieces, **args)
+            if events:
+                events[1].record()
+            synchronize(device)
+            times.append(events[0].elapsed_time(events[1]) if events else (time.perf_counter() - began) * 1e3)
+        return float(np.median(times[2:]))
+
+    out: dict = {"mixed_rows": beside, "mixed_chunk": chunk, "mixed_rows_alone_ms": timed_step(beside, None)}
+    try:
+        for start in (0, length // 2, length - chunk):
+            out[f"mixed_after_{start}"] = {"chunk_alone_ms": timed_step(0, start),
+                                           "together_ms": timed_step(beside, start)}
+        if device.type == "cuda":
+            out["mixed_kernels_ms"] = _kernel_kinds(lambda: forward.launch(beside, CONTEXT + 1,
+                                                                           [Piece(embeds, length - chunk,
+                                                                                  prompt_blocks)], **decode_args))
+    finally:
+        scheduler.chooser.release(0, beside)
+        scheduler.tables.clear(0, beside)
+        scheduler.pool.release(held)
+    return out
+
+
+KERNEL_KINDS = (("chunk attention", ("paged_chunk",)), ("decode attention", ("paged_decode",)),
+                ("split merge", ("paged_merge",)),
+                ("matrix products", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "wgmma")))
+
+
+def _kernel_kinds(fn: Callable[[], object], reps: int = 3) -> dict[str, float]:
+    """Device ms per call of ``fn``, by kind of kernel (names matched as ``KERNEL_KINDS`` says; the rest: other)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {}
+    for event in profile.key_averages():
+        total = getattr(event, "self_device_time_total", 0.0) or 0.0
+        if total <= 0:
+            continue
+        kind = next((kind for kind, names in KERNEL_KINDS if any(n in event.key.lower() for n in names)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + total / 1e3 / reps
+    return kinds
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -411,6 +482,15 @@ def report(result: dict) -> str:
         rows.append(f"{result['long_len']}-position prompt TTFT ms: alone {value('long_ttft_solo_ms', 1)}, while "
                     f"{result['long_beside_rows']} rows decode {value('long_ttft_during_ms', 1)} (x"
                     f"{result['long_ttft_during_ms'] / result['long_ttft_solo_ms']:.2f}, target <= 1.3)")
+    if "mixed_rows_alone_ms" in result:
+        rows.append(f"one step, device ms: {result['mixed_rows']} decode rows alone "
+                    f"{result['mixed_rows_alone_ms']:.2f}; a {result['mixed_chunk']}-position chunk after P "
+                    "positions alone / beside them: "
+                    + ", ".join(f"P={key.split('_')[-1]} {times['chunk_alone_ms']:.2f} / {times['together_ms']:.2f}"
+                                for key, times in result.items() if key.startswith("mixed_after_")))
+    if "mixed_kernels_ms" in result:
+        rows.append("  the step beside them at the last P by kernel kind, ms: "
+                    + ", ".join(f"{kind} {ms:.2f}" for kind, ms in result["mixed_kernels_ms"].items()))
     rows += [f"{key}: {result[key]}" for key in sorted(result) if key.endswith("_error")]
     return "\n".join(rows)
 
