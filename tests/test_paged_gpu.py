@@ -1,7 +1,8 @@
 """On CUDA (skipped elsewhere): the paged KV cache's kernels and captured steps.
 
 - the decode and chunk kernels in bfloat16 (and on float8 blocks) within 1e-2 of the gather + SDPA reference in
-  float32, on the GPU;
+  float32, on the GPU (the decode kernel's splits merged by a second kernel or in place, the latter the same on
+  every run);
 - float32 greedy tokens through captured steps (prompts chunked onto running decode steps, a reused prefix, a
   4k-position prompt) equal the CPU's static cache;
 - float8 KV logits within 5% (relative norm) of bfloat16 KV logits through captured steps;
@@ -53,6 +54,12 @@ def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
         expected = paged_attention._decode_reference(query.float(), k, v, batch, layer_scales, None)
         got = paged_triton.decode(query, k, v, tables, positions, layer_scales, splits, None)
         assert relative_error(got, expected) < 1e-2, f"decode, {splits} splits"
+        # the splits merged by each (row, KV head)'s last one: the same numbers every time (no split read before
+        # it was written), the tickets left at zero
+        merged = [paged_triton.decode(query, k, v, tables, positions, layer_scales, splits, None, cache.counters)
+                  for _ in range(20)]
+        assert relative_error(merged[0], expected) < 1e-2, f"decode, {splits} splits merged in place"
+        assert all(torch.equal(again, merged[0]) for again in merged[1:]) and not cache.counters.any()
     sequences = ((0, 300, 0), (300, 77, 500))
     tile = paged_triton.CHUNK_TILE
     tiles = torch.tensor([[s, first + o, min(tile, count - o), start + o] for s, (first, count, start)

@@ -11,8 +11,10 @@ final output, never applied per element. A float8 cache's decode tiles take twic
 
 - `decode`: one query token per row. A program takes one (row, KV head, split): it loads each key and value
   block once for all the query heads of that KV head (GQA), over its share of the row's positions. With
-  `splits > 1` the row's positions are cut into that many parts whose partial results a second kernel merges
-  (split-K: enough programs to keep every SM reading at small batch and long context).
+  `splits > 1` the row's positions are cut into that many parts (split-K: enough programs to keep every SM
+  reading at small batch and long context) whose partial results the last part to finish merges, told so by a
+  ticket it takes from the cache's counters (one kernel a layer: a merge kernel after it costs a launch a layer,
+  some 2 µs of a batch-1 step each).
 - `chunk`: query tiles of consecutive prompt positions of one row (a `tiles` table: sequence, first query, count,
   first position), each attending causally to the row's blocks up to its own position.
 """
@@ -51,9 +53,11 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, scales: Tensor | None,
-           splits: int, window: int | None) -> Tensor:
+           splits: int, window: int | None, counters: Tensor | None = None) -> Tensor:
     """Attention of `q [R, heads, d]` (row r's token at `positions[r]`) over keys `[0, positions[r]]` of row r's
-    blocks `tables [>= R, max_blocks]` (int32). `scales [2, kv_heads]` for float8 blocks. Returns `[R, heads, d]`."""
+    blocks `tables [>= R, max_blocks]` (int32). `scales [2, kv_heads]` for float8 blocks. With `splits > 1` and
+    `counters` (int32, zero, at least `R x kv_heads`; left zero) the last split of each (row, KV head) to finish
+    merges the splits, else a second kernel does. Returns `[R, heads, d]`."""
     q = q.contiguous()
     rows, heads, dim = q.shape
     groups = k.shape[2]
@@ -69,16 +73,19 @@ def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, s
     scale = _LOG2E / math.sqrt(dim)
     kernel = _decode_tuned_fp8 if fp8 else _decode_tuned
     if splits <= 1:
-        kernel[(rows, groups, 1)](q, k, v, tables, positions, k_scale, v_scale, out, out, *strides, out.stride(0),
-                                  out.stride(1), 0, tables.shape[1], window or 0, scale, triton.next_power_of_2(rows),
-                                  SPLITS=1, **common)
+        kernel[(rows, groups, 1)](q, k, v, tables, positions, k_scale, v_scale, out, out, out, out, *strides,
+                                  out.stride(0), out.stride(1), 0, tables.shape[1], window or 0, scale,
+                                  triton.next_power_of_2(rows), SPLITS=1, MERGE=False, **common)
         return out
     partial = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
-    kernel[(rows, groups, splits)](q, k, v, tables, positions, k_scale, v_scale, partial, lse, *strides,
-                                   partial.stride(0), partial.stride(1), partial.stride(2), tables.shape[1],
-                                   window or 0, scale, triton.next_power_of_2(rows), SPLITS=splits, **common)
-    _merge(partial, lse, out, splits)
+    merge = counters is not None and counters.numel() >= rows * groups
+    kernel[(rows, groups, splits)](q, k, v, tables, positions, k_scale, v_scale, partial, lse, out,
+                                   counters if merge else out, *strides, partial.stride(0), partial.stride(1),
+                                   partial.stride(2), tables.shape[1], window or 0, scale,
+                                   triton.next_power_of_2(rows), SPLITS=splits, MERGE=merge, **common)
+    if not merge:
+        _merge(partial, lse, out, splits)
     return out
 
 
@@ -180,12 +187,14 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
-                             lse_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_or,
-                             stride_oh, stride_os, max_blocks, window, scale, row_bucket, QPG: tl.constexpr,
-                             QP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
-                             PRECISION: tl.constexpr):
-        """One (row, KV head, split): online softmax over the split's keys for the KV head's query heads."""
+                             lse_ptr, merged_ptr, counters_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                             stride_tr, stride_or, stride_oh, stride_os, max_blocks, window, scale, row_bucket,
+                             QPG: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                             BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
+                             WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr):
+        """One (row, KV head, split): online softmax over the split's keys for the KV head's query heads. With
+        ``MERGE`` the split that finishes last (its ticket from ``counters_ptr``) merges the row's splits into
+        ``merged_ptr`` (laid out as ``q``) and sets the ticket back to zero."""
         row = tl.program_id(0)
         group = tl.program_id(1)
         split = tl.program_id(2)
@@ -223,6 +232,35 @@ if triton is not None:
             tl.store(out, acc, mask=head_ok[:, None] & d_ok[None, :])
             lse = tl.where(found, m + tl.log2(tl.where(found, total, 1.0)), float("-inf"))
             tl.store(lse_ptr + (row * (QPG * tl.num_programs(1)) + heads) * SPLITS + split, lse, mask=head_ok)
+            if MERGE:
+                tl.debug_barrier()  # every thread's partial stored before the ticket is taken (released with it)
+                slot = row * tl.num_programs(1) + group
+                if tl.atomic_add(counters_ptr + slot, 1, sem="acq_rel") == SPLITS - 1:
+                    tl.store(counters_ptr + slot, 0)
+                    _merge_splits(out_ptr + row.to(tl.int64) * stride_or + heads[:, None] * stride_oh + d[None, :],
+                                  lse_ptr + (row * (QPG * tl.num_programs(1)) + heads) * SPLITS,
+                                  merged_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                                  head_ok[:, None] & d_ok[None, :], head_ok, stride_os, QP, DP, SPLITS)
+
+    @triton.jit
+    def _merge_splits(partial_ptrs, lse_ptrs, out_ptrs, mask, head_ok, stride_os, QP: tl.constexpr, DP: tl.constexpr,
+                      SPLITS: tl.constexpr):
+        """The splits' partial outputs (``partial_ptrs + split * stride_os``, read past the L1 cache: other
+        programs wrote them) weighted by their share of the softmax mass (``lse_ptrs + split``), into
+        ``out_ptrs``."""
+        running = tl.full((QP,), -1e30, dtype=tl.float32)
+        mass = tl.zeros((QP,), dtype=tl.float32)
+        acc = tl.zeros((QP, DP), dtype=tl.float32)
+        for split in tl.static_range(SPLITS):
+            lse = tl.load(lse_ptrs + split, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
+            partial = tl.load(partial_ptrs + split * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+            new = tl.maximum(running, lse)
+            alpha = tl.exp2(running - new)
+            weight = tl.where(lse > float("-inf"), tl.exp2(lse - new), 0.0)
+            mass = mass * alpha + weight
+            acc = acc * alpha[:, None] + partial * weight[:, None]
+            running = new
+        tl.store(out_ptrs, (acc / tl.where(mass > 0, mass, 1.0)[:, None]).to(out_ptrs.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _paged_merge_kernel(partial_ptr, lse_ptr, out_ptr, stride_pr, stride_ph, stride_ps, stride_or, stride_oh,
