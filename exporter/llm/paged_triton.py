@@ -43,6 +43,14 @@ def available() -> bool:
     return triton is not None
 
 
+def split_count(programs: int, slots: int, most: int) -> int:
+    """How many parts (at most ``most``) to cut the keys of each of ``programs`` kernel programs into, when the GPU
+    runs ``slots`` programs at once: the most that still fit in one wave (at least one part). One part more would
+    start a second wave, which takes as long as the first: 32 programs over 264 slots take 8 parts (256 programs),
+    not 9 (288, a second wave of 24 that doubles the time)."""
+    return max(1, min(most, slots // programs))
+
+
 def _padded(dim: int) -> int:
     """The head size the kernels compute with: a power of two, at least 16 (the extra lanes are masked)."""
     return max(16, triton.next_power_of_2(dim))
