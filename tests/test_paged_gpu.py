@@ -1,8 +1,8 @@
 """On CUDA (skipped elsewhere): the paged KV cache's kernels and captured steps.
 
 - the decode and chunk kernels in bfloat16 (and on float8 blocks) within 1e-2 of the gather + SDPA reference in
-  float32, on the GPU (the decode kernel's splits merged by a second kernel or in place, the latter the same on
-  every run);
+  float32, on the GPU (their key splits merged by a second kernel or in place, the latter the same on every
+  run);
 - float32 greedy tokens through captured steps (prompts chunked onto running decode steps, a reused prefix, a
   4k-position prompt) equal the CPU's static cache;
 - float8 KV logits within 5% (relative norm) of bfloat16 KV logits through captured steps;
@@ -67,10 +67,13 @@ def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
     chunk_query = torch.randn(400, groups * per_group, dim, device="cuda", generator=generator).bfloat16()
     chunk = Chunk(tables[:2], None, None, tiles, sequences)
     expected = paged_attention._chunk_reference(chunk_query.float(), k, v, chunk, layer_scales, None)
-    for splits in (1, 4):
-        got = paged_triton.chunk(chunk_query, k, v, tables[:2], tiles, layer_scales, None, splits)
+    for splits, counters in ((1, None), (4, None), (4, cache.counters), (16, cache.counters)):
+        runs = [paged_triton.chunk(chunk_query, k, v, tables[:2], tiles, layer_scales, None, splits, counters)
+                for _ in range(1 if counters is None else 20)]
+        got = runs[0]
         assert relative_error(got[:377], expected[:377]) < 1e-2, f"chunk, {splits} splits"
         assert not got[377:].any()  # queries no tile covers
+        assert all(torch.equal(again, got) for again in runs[1:]) and not cache.counters.any()
 
 
 @torch.inference_mode()

@@ -85,11 +85,14 @@ def test_decode_kernel_matches_the_reference(kernels, dtype, groups, per_group, 
 
 
 @pytest.mark.parametrize("dtype, groups, per_group, dim, block_size, fp8", SHAPES)
-@pytest.mark.parametrize("splits, window", [(1, None), (1, 11), (3, None), (4, 11)])
-def test_chunk_kernel_matches_the_reference(kernels, dtype, groups, per_group, dim, block_size, fp8, splits, window):
+@pytest.mark.parametrize("splits, window, merged_in_place", [(1, None, False), (1, 11, False), (3, None, False),
+                                                             (4, 11, False), (3, None, True), (4, 11, True)])
+def test_chunk_kernel_matches_the_reference(kernels, dtype, groups, per_group, dim, block_size, fp8, splits, window,
+                                            merged_in_place):
     """Three sequences of one chunk, two starting after cached positions (one past two whole key tiles, which the
     kernel reads unmasked), with padding after them; the tiles as the step builds them (at most CHUNK_TILE queries
-    each, one unused); with splits, each tile's keys cut into parts merged after (some parts without a key)."""
+    each, one unused); with splits, each tile's keys cut into parts merged after, by a second kernel or by each
+    tile's last part (some parts without a key)."""
     width = -(-150 // block_size)
     cache = _cache(dtype, groups, dim, block_size, blocks=3 * width + 1, fp8=fp8)
     tables = _tables(3, width, cache.num_blocks, seed=3)
@@ -102,7 +105,10 @@ def test_chunk_kernel_matches_the_reference(kernels, dtype, groups, per_group, d
     chunk = Chunk(tables=tables, blocks=None, offsets=None, tiles=tiles, sequences=sequences)
     k, v, scales = cache.layer(0)
     expected = paged_attention._chunk_reference(query, k, v, chunk, scales, window)
-    got = kernels.chunk(query, k, v, tables, tiles, scales, window, splits)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
-    assert not got[131:].any()  # padding queries no tile covers
+    for _ in range(2 if merged_in_place else 1):
+        got = kernels.chunk(query, k, v, tables, tiles, scales, window, splits,
+                            cache.counters if merged_in_place else None)
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+        assert not got[131:].any()  # padding queries no tile covers
+    assert not cache.counters.any()

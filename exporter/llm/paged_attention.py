@@ -146,7 +146,8 @@ def paged_attention(q: Tensor, layer: int, batch: PagedBatch, window: int | None
         chunk_q = q[batch.rows:]
         chunk = batch.chunk
         if kernels:
-            parts.append(paged_triton.chunk(chunk_q, k, v, chunk.tables, chunk.tiles, scales, window, chunk.splits))
+            parts.append(paged_triton.chunk(chunk_q, k, v, chunk.tables, chunk.tiles, scales, window, chunk.splits,
+                                            batch.cache.counters))
         else:
             parts.append(_chunk_reference(chunk_q, k, v, chunk, scales, window))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -16,7 +16,8 @@ final output, never applied per element. A float8 cache's decode tiles take twic
   ticket it takes from the cache's counters (one kernel a layer: a merge kernel after it costs a launch a layer,
   some 2 µs of a batch-1 step each).
 - `chunk`: query tiles of consecutive prompt positions of one row (a `tiles` table: sequence, first query, count,
-  first position), each attending causally to the row's blocks up to its own position.
+  first position), each attending causally to the row's blocks up to its own position; its key splits (a few
+  tiles over a long prefix) merged the same way, per (tile, head).
 """
 
 from __future__ import annotations
@@ -98,12 +99,12 @@ def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, s
 
 
 def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales: Tensor | None,
-          window: int | None, splits: int = 1) -> Tensor:
+          window: int | None, splits: int = 1, counters: Tensor | None = None) -> Tensor:
     """Causal attention of prompt positions `q [C, heads, d]` over their rows' blocks. `tiles [T, 4]` int32: per
     program (sequence s or -1, first query index, query count <= CHUNK_TILE, position of that first query);
-    sequence s reads blocks `tables[s]`. With `splits > 1` each tile's keys are cut into that many parts merged
-    afterwards (a few tiles over a long prefix still keep every SM busy). Queries no tile covers come back as
-    zeros."""
+    sequence s reads blocks `tables[s]`. With `splits > 1` each tile's keys are cut into that many parts (a few
+    tiles over a long prefix still keep every SM busy), merged as `decode` merges its splits (in place with
+    `counters`, at least `T x heads`). Queries no tile covers come back as zeros."""
     q = q.contiguous()
     tokens, heads, dim = q.shape
     groups = k.shape[2]
@@ -112,18 +113,22 @@ def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales
         return out
     fp8 = scales is not None
     k_scale, v_scale = (scales[0], scales[1]) if fp8 else (q, q)
+    merge = splits > 1 and counters is not None and counters.numel() >= tiles.shape[0] * heads
     if splits <= 1:
         target, lse, target_strides = out, out, (out.stride(0), out.stride(1), 0)
-    else:  # every split's partial output; queries no tile covers keep no weight (-inf) and merge to zeros
+    else:  # every split's partial output; for a merge kernel, queries no tile covers keep no weight (-inf): zeros
         target = torch.empty(tokens, heads, splits, dim, dtype=torch.float32, device=q.device)
-        lse = torch.full((tokens, heads, splits), float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=q.device)
+        if not merge:
+            lse.fill_(float("-inf"))
         target_strides = (target.stride(0), target.stride(1), target.stride(2))
     _chunk_tuned[(tiles.shape[0], heads, splits)](
-        q, k, v, tables, tiles, k_scale, v_scale, target, lse, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        k.stride(2), tables.stride(0), *target_strides, tables.shape[1], window or 0, _LOG2E / math.sqrt(dim),
-        QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1], BLOCK_M=CHUNK_TILE, SPLITS=splits, FP8=fp8,
-        WINDOWED=window is not None, PRECISION=_precision(q.dtype))
-    if splits > 1:
+        q, k, v, tables, tiles, k_scale, v_scale, target, lse, out, counters if merge else out, q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0), *target_strides, tables.shape[1],
+        window or 0, _LOG2E / math.sqrt(dim), QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1],
+        BLOCK_M=CHUNK_TILE, SPLITS=splits, FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype),
+        MERGE=merge)
+    if splits > 1 and not merge:
         _merge(target, lse, out, splits)
     return out
 
@@ -251,16 +256,16 @@ if triton is not None:
                                   head_ok[:, None] & d_ok[None, :], head_ok, stride_os, QP, DP, SPLITS)
 
     @triton.jit
-    def _merge_splits(partial_ptrs, lse_ptrs, out_ptrs, mask, head_ok, stride_os, QP: tl.constexpr, DP: tl.constexpr,
-                      SPLITS: tl.constexpr):
+    def _merge_splits(partial_ptrs, lse_ptrs, out_ptrs, mask, rows_ok, stride_os, ROWS: tl.constexpr,
+                      DP: tl.constexpr, SPLITS: tl.constexpr):
         """The splits' partial outputs (``partial_ptrs + split * stride_os``, read past the L1 cache: other
         programs wrote them) weighted by their share of the softmax mass (``lse_ptrs + split``), into
         ``out_ptrs``."""
-        running = tl.full((QP,), -1e30, dtype=tl.float32)
-        mass = tl.zeros((QP,), dtype=tl.float32)
-        acc = tl.zeros((QP, DP), dtype=tl.float32)
+        running = tl.full((ROWS,), -1e30, dtype=tl.float32)
+        mass = tl.zeros((ROWS,), dtype=tl.float32)
+        acc = tl.zeros((ROWS, DP), dtype=tl.float32)
         for split in tl.static_range(SPLITS):
-            lse = tl.load(lse_ptrs + split, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
+            lse = tl.load(lse_ptrs + split, mask=rows_ok, other=float("-inf"), cache_modifier=".cg")
             partial = tl.load(partial_ptrs + split * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
             new = tl.maximum(running, lse)
             alpha = tl.exp2(running - new)
@@ -293,12 +298,13 @@ if triton is not None:
 
     @triton.jit
     def _paged_chunk_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
-                            stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_ot, stride_oh,
-                            stride_os, max_blocks, window, scale, QPG: tl.constexpr, D: tl.constexpr,
-                            DP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            SPLITS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
-                            PRECISION: tl.constexpr):
-        """One (query tile, head, split): causal online softmax over the split's share of the tile's keys."""
+                            merged_ptr, counters_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                            stride_tr, stride_ot, stride_oh, stride_os, max_blocks, window, scale, QPG: tl.constexpr,
+                            D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
+                            PRECISION: tl.constexpr, MERGE: tl.constexpr):
+        """One (query tile, head, split): causal online softmax over the split's share of the tile's keys (with
+        ``MERGE``, the tile's last split to finish merges them into ``merged_ptr``, laid out as ``q``)."""
         tile = tl.program_id(0)
         head = tl.program_id(1)
         split = tl.program_id(2)
@@ -353,6 +359,15 @@ if triton is not None:
                 tl.store(out, acc, mask=row_ok[:, None] & d_ok[None, :])
                 lse = tl.where(found, m + tl.log2(tl.where(found, total, 1.0)), float("-inf"))
                 tl.store(lse_ptr + (tokens * tl.num_programs(1) + head) * SPLITS + split, lse, mask=row_ok)
+                if MERGE:
+                    tl.debug_barrier()
+                    slot = tile * tl.num_programs(1) + head
+                    if tl.atomic_add(counters_ptr + slot, 1, sem="acq_rel") == SPLITS - 1:
+                        tl.store(counters_ptr + slot, 0)
+                        _merge_splits(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
+                                      lse_ptr + (tokens * tl.num_programs(1) + head) * SPLITS,
+                                      merged_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
+                                      row_ok[:, None] & d_ok[None, :], row_ok, stride_os, BLOCK_M, DP, SPLITS)
 
     # Decode reads the cache once: the configurations vary the keys per iteration and the pipelining depth that
     # keep HBM busy (H100: 64-128 keys of 128-dim bf16 per iteration, 2-4 stages; float8 halves the bytes).
