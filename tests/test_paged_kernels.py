@@ -27,6 +27,20 @@ def kernels():
     return paged_triton
 
 
+@pytest.fixture(params=[False, True], ids=["rows first", "KV heads first"])
+def decode_order(kernels, request):
+    """The decode kernels run with their first configuration of this grid order (the interpreter cannot time
+    configurations: it runs one)."""
+    tuned = (kernels._decode_tuned, kernels._decode_tuned_fp8)
+    saved = [(kernel.configs, kernel.cache) for kernel in tuned]
+    for kernel, configs in zip(tuned, (kernels._DECODE_CONFIGS, kernels._DECODE_FP8_CONFIGS)):
+        kernel.configs = [next(c for c in configs if c.kwargs["GROUP_MAJOR"] == request.param)]
+        kernel.cache = {}
+    yield request.param
+    for kernel, (configs, cache) in zip(tuned, saved):
+        kernel.configs, kernel.cache = configs, cache
+
+
 def test_kernels_under_the_triton_interpreter():
     run_under_triton_interpreter(__file__)
 
@@ -64,10 +78,10 @@ SHAPES = [
 @pytest.mark.parametrize("dtype, groups, per_group, dim, block_size, fp8", SHAPES)
 @pytest.mark.parametrize("splits, window, merged_in_place", [(1, None, False), (3, None, False), (4, 9, False),
                                                              (3, None, True), (5, 9, True)])
-def test_decode_kernel_matches_the_reference(kernels, dtype, groups, per_group, dim, block_size, fp8, splits,
-                                             window, merged_in_place):
+def test_decode_kernel_matches_the_reference(kernels, decode_order, dtype, groups, per_group, dim, block_size, fp8,
+                                             splits, window, merged_in_place):
     """With splits, merged by a second kernel or by each (row, KV head)'s last split (its tickets left at zero,
-    so the next call merges too; splits past a short row's positions hold no key)."""
+    so the next call merges too; splits past a short row's positions hold no key); either grid order."""
     rows, width = 4, -(-48 // block_size)
     cache = _cache(dtype, groups, dim, block_size, blocks=rows * width + 1, fp8=fp8)
     tables = _tables(rows, width, cache.num_blocks, seed=1)

@@ -82,20 +82,27 @@ def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, s
     scale = _LOG2E / math.sqrt(dim)
     kernel = _decode_tuned_fp8 if fp8 else _decode_tuned
     if splits <= 1:
-        kernel[(rows, groups, 1)](q, k, v, tables, positions, k_scale, v_scale, out, out, out, out, *strides,
-                                  out.stride(0), out.stride(1), 0, tables.shape[1], window or 0, scale,
-                                  triton.next_power_of_2(rows), SPLITS=1, MERGE=False, **common)
+        kernel[_decode_grid(rows, groups, 1)](q, k, v, tables, positions, k_scale, v_scale, out, out, out, out,
+                                              *strides, out.stride(0), out.stride(1), 0, tables.shape[1],
+                                              window or 0, scale, triton.next_power_of_2(rows), SPLITS=1,
+                                              MERGE=False, **common)
         return out
     partial = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
     merge = counters is not None and counters.numel() >= rows * groups
-    kernel[(rows, groups, splits)](q, k, v, tables, positions, k_scale, v_scale, partial, lse, out,
-                                   counters if merge else out, *strides, partial.stride(0), partial.stride(1),
-                                   partial.stride(2), tables.shape[1], window or 0, scale,
-                                   triton.next_power_of_2(rows), SPLITS=splits, MERGE=merge, **common)
+    kernel[_decode_grid(rows, groups, splits)](q, k, v, tables, positions, k_scale, v_scale, partial, lse, out,
+                                               counters if merge else out, *strides, partial.stride(0),
+                                               partial.stride(1), partial.stride(2), tables.shape[1], window or 0,
+                                               scale, triton.next_power_of_2(rows), SPLITS=splits, MERGE=merge,
+                                               **common)
     if not merge:
         _merge(partial, lse, out, splits)
     return out
+
+
+def _decode_grid(rows: int, groups: int, splits: int):
+    """The decode kernel's grid for the configuration the autotuner runs (its ``GROUP_MAJOR`` order)."""
+    return lambda meta: (groups, rows, splits) if meta["GROUP_MAJOR"] else (rows, groups, splits)
 
 
 def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales: Tensor | None,
@@ -204,12 +211,16 @@ if triton is not None:
                              stride_tr, stride_or, stride_oh, stride_os, max_blocks, window, scale, row_bucket,
                              QPG: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                              BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
-                             WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr):
-        """One (row, KV head, split): online softmax over the split's keys for the KV head's query heads. With
+                             WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
+                             GROUP_MAJOR: tl.constexpr):
+        """One (row, KV head, split), the grid ``(rows, KV heads, splits)`` or with ``GROUP_MAJOR`` ``(KV heads,
+        rows, splits)``: online softmax over the split's keys for the KV head's query heads. With
         ``MERGE`` the split that finishes last (its ticket from ``counters_ptr``) merges the row's splits into
         ``merged_ptr`` (laid out as ``q``) and sets the ticket back to zero."""
-        row = tl.program_id(0)
-        group = tl.program_id(1)
+        if GROUP_MAJOR:  # programs side by side read the same positions of every KV head: longer runs of bytes
+            group, row, groups = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+        else:
+            row, group, groups = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
         split = tl.program_id(2)
         position = tl.load(positions_ptr + row).to(tl.int32)
         context = position + 1
@@ -244,14 +255,14 @@ if triton is not None:
         else:
             tl.store(out, acc, mask=head_ok[:, None] & d_ok[None, :])
             lse = tl.where(found, m + tl.log2(tl.where(found, total, 1.0)), float("-inf"))
-            tl.store(lse_ptr + (row * (QPG * tl.num_programs(1)) + heads) * SPLITS + split, lse, mask=head_ok)
+            tl.store(lse_ptr + (row * (QPG * groups) + heads) * SPLITS + split, lse, mask=head_ok)
             if MERGE:
                 tl.debug_barrier()  # every thread's partial stored before the ticket is taken (released with it)
-                slot = row * tl.num_programs(1) + group
+                slot = row * groups + group
                 if tl.atomic_add(counters_ptr + slot, 1, sem="acq_rel") == SPLITS - 1:
                     tl.store(counters_ptr + slot, 0)
                     _merge_splits(out_ptr + row.to(tl.int64) * stride_or + heads[:, None] * stride_oh + d[None, :],
-                                  lse_ptr + (row * (QPG * tl.num_programs(1)) + heads) * SPLITS,
+                                  lse_ptr + (row * (QPG * groups) + heads) * SPLITS,
                                   merged_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
                                   head_ok[:, None] & d_ok[None, :], head_ok, stride_os, QP, DP, SPLITS)
 
@@ -371,16 +382,25 @@ if triton is not None:
 
     # Decode reads the cache once: the configurations vary the keys per iteration and the pipelining depth that
     # keep HBM busy (H100: 64-128 keys of 128-dim bf16 per iteration, 2-4 stages; float8 halves the bytes).
+    # Each also with the KV heads' programs side by side (GROUP_MAJOR) for the shapes likeliest to win: a float8
+    # key row of one head is 128 bytes, 4 KB apart from the next position's, and its neighbours in memory are the
+    # other heads' rows of the same position.
     _DECODE_CONFIGS = [
-        triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
-        for n, warps, stages in ((64, 4, 3), (32, 2, 3), (32, 4, 4), (64, 4, 2), (64, 8, 3), (128, 4, 2),
-                                 (128, 8, 2), (128, 8, 3), (256, 8, 2))
+        triton.Config({"BLOCK_N": n, "GROUP_MAJOR": major}, num_warps=warps, num_stages=stages)
+        for n, warps, stages, major in ((64, 4, 3, False), (32, 2, 3, False), (32, 4, 4, False), (64, 4, 2, False),
+                                        (64, 8, 3, False), (128, 4, 2, False), (128, 8, 2, False),
+                                        (128, 8, 3, False), (256, 8, 2, False), (64, 4, 3, True),
+                                        (128, 4, 2, True), (128, 8, 2, True))
     ]
-    # A float8 cache: the same shapes with twice the positions per iteration (the same bytes in flight).
+    # A float8 cache: the same shapes with twice the positions per iteration (the same bytes in flight), and
+    # deeper pipelines of them.
     _DECODE_FP8_CONFIGS = [
-        triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
-        for n, warps, stages in ((128, 4, 3), (64, 2, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (256, 4, 2),
-                                 (256, 8, 2), (256, 8, 3), (512, 8, 2))
+        triton.Config({"BLOCK_N": n, "GROUP_MAJOR": major}, num_warps=warps, num_stages=stages)
+        for n, warps, stages, major in ((128, 4, 3, False), (64, 2, 3, False), (64, 4, 4, False),
+                                        (128, 4, 2, False), (128, 8, 3, False), (256, 4, 2, False),
+                                        (256, 8, 2, False), (256, 8, 3, False), (512, 8, 2, False),
+                                        (256, 4, 3, False), (128, 4, 4, False), (128, 4, 3, True),
+                                        (256, 4, 2, True), (256, 8, 2, True), (256, 4, 3, True))
     ]
     _CHUNK_CONFIGS = [
         triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
