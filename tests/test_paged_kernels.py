@@ -126,3 +126,50 @@ def test_chunk_kernel_matches_the_reference(kernels, dtype, groups, per_group, d
         torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
         assert not got[131:].any()  # padding queries no tile covers
     assert not cache.counters.any()
+
+
+def test_the_configurations_are_timed_once_per_kind_of_call_on_representative_work(monkeypatch):
+    """Whatever the autotuner timed before (a capture's empty work) is timed again, once per kind of call, on the
+    representative work, and kept beside the other keys' timings; not on a pool small enough to stay in cache."""
+    from exporter.llm import paged_triton
+
+    monkeypatch.setattr(paged_triton, "_INTERPRETED", False)
+    monkeypatch.setattr(paged_triton, "_tuned", set())
+    kernels = (paged_triton._decode_tuned, paged_triton._decode_tuned_fp8, paged_triton._chunk_tuned)
+    for kernel in kernels:
+        monkeypatch.setattr(kernel, "cache", {("timed on empty work",): "first"})
+    timed = []
+
+    def representative():
+        assert all(kernel.cache == {} for kernel in kernels)  # the autotuner times its configurations again
+        paged_triton._decode_tuned.cache[("timed on empty work",)] = "representative"
+        timed.append(True)
+
+    paged_triton._tune_first(("decode", 1), paged_triton.TUNE_MIN_BLOCKS - 1, representative)
+    assert not timed
+    for _ in range(2):
+        paged_triton._tune_first(("decode", 1), paged_triton.TUNE_MIN_BLOCKS, representative)
+    assert timed == [True]
+    assert paged_triton._decode_tuned.cache == {("timed on empty work",): "representative"}
+    assert paged_triton._chunk_tuned.cache == {("timed on empty work",): "first"}
+
+
+def test_the_representative_work_stays_within_the_pool_and_the_tables(kernels):
+    """The work the configurations are timed on: tables over distinct real blocks, a chunk after cached positions
+    within a row's blocks; the kernels on it match the reference."""
+    from exporter.llm import paged_triton
+
+    width, block_size = 12, 4
+    cache = _cache(torch.float32, 2, 16, block_size, blocks=20)
+    k, v, _ = cache.layer(0)
+    tables = paged_triton._spread_tables(torch.zeros(3, width, dtype=torch.int32), cache.num_blocks)
+    assert tables.min() >= 1 and tables.max() < cache.num_blocks
+    tiles = paged_triton._prefix_tiles(100, 3, width * block_size, torch.device("cpu"))
+    used = tiles[tiles[:, 0] >= 0]
+    assert used[:, 2].sum() == 48 and used[-1, 3] + used[-1, 2] == width * block_size  # the row's last position
+    query = torch.randn(100, 4, 16, generator=torch.Generator().manual_seed(5))
+    chunk = Chunk(tables=tables, blocks=None, offsets=None, tiles=tiles,
+                  sequences=((0, 48, int(used[0, 3])),))
+    expected = paged_attention._chunk_reference(query, k, v, chunk, None, None)
+    got = kernels.chunk(query, k, v, tables, tiles, None, None, 2, cache.counters)
+    torch.testing.assert_close(got[:48], expected[:48], rtol=1e-5, atol=1e-5)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -35,8 +36,12 @@ except ImportError:  # no Triton: the reference path in exporter.llm.paged_atten
     triton = None
 
 CHUNK_TILE = 64  # query positions per chunk-kernel program (the host cuts sequences into tiles of this size)
+TUNE_CONTEXT = 1024  # the positions of each decode row while the decode kernel's configurations are timed
+TUNE_PREFIX = 4096  # the cached positions before a chunk while the chunk kernel's configurations are timed
+TUNE_MIN_BLOCKS = 256  # the smallest pool the configurations are timed over (a smaller one stays in the L2 cache)
 _LOG2E = 1.4426950408889634
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_tuned: set[tuple] = set()  # the kinds of call (`_tune_first`) whose configurations were timed
 
 
 def available() -> bool:
@@ -66,8 +71,23 @@ def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, s
     """Attention of `q [R, heads, d]` (row r's token at `positions[r]`) over keys `[0, positions[r]]` of row r's
     blocks `tables [>= R, max_blocks]` (int32). `scales [2, kv_heads]` for float8 blocks. With `splits > 1` and
     `counters` (int32, zero, at least `R x kv_heads`; left zero) the last split of each (row, KV head) to finish
-    merges the splits, else a second kernel does. Returns `[R, heads, d]`."""
+    merges the splits, else a second kernel does. Returns `[R, heads, d]`. The first call of its kind first times
+    the kernel's configurations on rows of `TUNE_CONTEXT` positions (`_tune_first`)."""
     q = q.contiguous()
+    rows = q.shape[0]
+    if rows:
+        context = min(TUNE_CONTEXT, tables.shape[1] * k.shape[1])
+        _tune_first(("decode", triton.next_power_of_2(rows), q.shape[1:], q.dtype, k.shape[1:], k.dtype, k.stride(),
+                     tables.shape[1], tables.dtype, positions.dtype, scales is not None, splits, window is not None,
+                     counters is not None and counters.numel() >= rows * k.shape[2], q.device), k.shape[0],
+                    lambda: _decode(q, k, v, _spread_tables(tables[:rows], k.shape[0]),
+                                    torch.full((rows,), context - 1, dtype=positions.dtype, device=q.device), scales,
+                                    splits, window, counters))
+    return _decode(q, k, v, tables, positions, scales, splits, window, counters)
+
+
+def _decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, scales: Tensor | None,
+            splits: int, window: int | None, counters: Tensor | None) -> Tensor:
     rows, heads, dim = q.shape
     groups = k.shape[2]
     per_group = heads // groups
@@ -111,8 +131,21 @@ def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales
     program (sequence s or -1, first query index, query count <= CHUNK_TILE, position of that first query);
     sequence s reads blocks `tables[s]`. With `splits > 1` each tile's keys are cut into that many parts (a few
     tiles over a long prefix still keep every SM busy), merged as `decode` merges its splits (in place with
-    `counters`, at least `T x heads`). Queries no tile covers come back as zeros."""
+    `counters`, at least `T x heads`). Queries no tile covers come back as zeros. The first call of its kind
+    first times the kernel's configurations on the chunk's queries after `TUNE_PREFIX` cached positions."""
     q = q.contiguous()
+    if q.shape[0] and tiles.shape[0]:
+        _tune_first(("chunk", q.shape[1:], q.dtype, k.shape[1:], k.dtype, k.stride(), tables.shape[1],
+                     tables.dtype, scales is not None, splits, window is not None,
+                     counters is not None and counters.numel() >= tiles.shape[0] * q.shape[1], q.device),
+                    k.shape[0], lambda: _chunk(q, k, v, _spread_tables(tables, k.shape[0]),
+                                   _prefix_tiles(q.shape[0], tiles.shape[0], tables.shape[1] * k.shape[1], q.device),
+                                   scales, window, splits, counters))
+    return _chunk(q, k, v, tables, tiles, scales, window, splits, counters)
+
+
+def _chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales: Tensor | None,
+           window: int | None, splits: int, counters: Tensor | None) -> Tensor:
     tokens, heads, dim = q.shape
     groups = k.shape[2]
     out = torch.zeros_like(q)
@@ -138,6 +171,47 @@ def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales
     if splits > 1 and not merge:
         _merge(target, lse, out, splits)
     return out
+
+
+def _tune_first(kind: tuple, pool_blocks: int, representative: Callable[[], object]) -> None:
+    """Time the kernel's configurations on ``representative`` (the kernel on work of a typical size, with the
+    call's shapes and types) the first time a call of this ``kind`` comes over a pool of at least
+    ``TUNE_MIN_BLOCKS`` blocks, whatever the autotuner timed before: it keeps the configuration it timed on the
+    first call of each of its keys, and a step graph is captured on idle rows and an empty chunk (one key each,
+    where every configuration takes the same launch time), a step's memory measured on a pool of two blocks. Not
+    while a graph is being captured, nor under the interpreter (it runs one configuration)."""
+    if (kind in _tuned or pool_blocks < TUNE_MIN_BLOCKS or _INTERPRETED
+            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
+        return
+    _tuned.add(kind)
+    kernels = (_decode_tuned, _decode_tuned_fp8, _chunk_tuned)
+    timed_before = [kernel.cache for kernel in kernels]
+    for kernel in kernels:
+        kernel.cache = {}
+    try:
+        representative()
+    finally:
+        for kernel, before in zip(kernels, timed_before):
+            kernel.cache = {**before, **kernel.cache}
+
+
+def _spread_tables(like: Tensor, blocks: int) -> Tensor:
+    """Block tables shaped and typed as ``like`` over distinct blocks of a pool of ``blocks`` (never the null
+    block 0, but in a pool of it alone), wrapping around the pool."""
+    spread = torch.arange(like.numel(), device=like.device)
+    spread = spread % (blocks - 1) + 1 if blocks > 1 else spread * 0
+    return spread.to(like.dtype).view(like.shape)
+
+
+def _prefix_tiles(tokens: int, count: int, capacity: int, device: torch.device) -> Tensor:
+    """``count`` chunk tiles: one sequence of up to ``tokens`` queries after up to ``TUNE_PREFIX`` cached positions
+    (within a row's ``capacity``), unused tiles after it."""
+    queries = min(tokens, count * CHUNK_TILE, capacity)
+    start = max(0, min(TUNE_PREFIX, capacity - queries))
+    tiles = torch.full((count, 4), -1, dtype=torch.int32)
+    for index, offset in enumerate(range(0, queries, CHUNK_TILE)):
+        tiles[index] = torch.tensor([0, offset, min(CHUNK_TILE, queries - offset), start + offset])
+    return tiles.to(device)
 
 
 def _merge(partial: Tensor, lse: Tensor, out: Tensor, splits: int) -> None:
