@@ -228,7 +228,8 @@ def _long_prompt(scheduler: Scheduler, length: int, beside: int) -> dict:
 def _mixed_steps(scheduler: Scheduler, length: int, beside: int, chunk: int) -> dict:
     """The step of ``beside`` decode rows (CONTEXT positions each) and a ``chunk``-position prompt chunk, against
     each part alone, at three points of a ``length``-position prompt (median device ms, CUDA events; the graphs
-    warm_up captured), and at the last point the combined step's device time by kernel kind (profiler)."""
+    warm_up captured), and at the last point the combined step's device time by kernel kind and its costliest
+    kernels (profiler, ``breakdown._kernel_profile``)."""
     forward, size, device = scheduler.forward, scheduler.block_size, scheduler.model.device
     rows_blocks = -(-(CONTEXT + 1) // size)
     held = scheduler.pool.allocate(beside * rows_blocks + -(-length // size))
@@ -261,37 +262,15 @@ def _mixed_steps(scheduler: Scheduler, length: int, beside: int, chunk: int) -> 
             out[f"mixed_after_{start}"] = {"chunk_alone_ms": timed_step(0, start),
                                            "together_ms": timed_step(beside, start)}
         if device.type == "cuda":
-            out["mixed_kernels_ms"] = _kernel_kinds(lambda: forward.launch(beside, CONTEXT + 1,
-                                                                           [Piece(embeds, length - chunk,
-                                                                                  prompt_blocks)], **decode_args))
+            from breakdown import _kernel_profile
+
+            out.update(_kernel_profile("mixed", lambda: forward.launch(
+                beside, CONTEXT + 1, [Piece(embeds, length - chunk, prompt_blocks)], **decode_args)))
     finally:
         scheduler.chooser.release(0, beside)
         scheduler.tables.clear(0, beside)
         scheduler.pool.release(held)
     return out
-
-
-KERNEL_KINDS = (("chunk attention", ("paged_chunk",)), ("decode attention", ("paged_decode",)),
-                ("split merge", ("paged_merge",)),
-                ("matrix products", ("gemm", "nvjet", "cutlass", "sm90_xmma", "cublas", "wgmma")))
-
-
-def _kernel_kinds(fn: Callable[[], object], reps: int = 3) -> dict[str, float]:
-    """Device ms per call of ``fn``, by kind of kernel (names matched as ``KERNEL_KINDS`` says; the rest: other)."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    kinds: dict[str, float] = {}
-    for event in profile.key_averages():
-        total = getattr(event, "self_device_time_total", 0.0) or 0.0
-        if total <= 0:
-            continue
-        kind = next((kind for kind, names in KERNEL_KINDS if any(n in event.key.lower() for n in names)), "other")
-        kinds[kind] = kinds.get(kind, 0.0) + total / 1e3 / reps
-    return kinds
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -488,9 +467,10 @@ def report(result: dict) -> str:
                     "positions alone / beside them: "
                     + ", ".join(f"P={key.split('_')[-1]} {times['chunk_alone_ms']:.2f} / {times['together_ms']:.2f}"
                                 for key, times in result.items() if key.startswith("mixed_after_")))
-    if "mixed_kernels_ms" in result:
-        rows.append("  the step beside them at the last P by kernel kind, ms: "
-                    + ", ".join(f"{kind} {ms:.2f}" for kind, ms in result["mixed_kernels_ms"].items()))
+    if "breakdown_mixed_kernel_us_by_kind" in result:
+        rows.append("  the step beside them at the last P by kernel kind, us: "
+                    + ", ".join(f"{kind} {us:.0f}" for kind, us in result["breakdown_mixed_kernel_us_by_kind"].items()))
+        rows += [f"    {line}" for line in result["breakdown_mixed_top_kernels_us"]]
     rows += [f"{key}: {result[key]}" for key in sorted(result) if key.endswith("_error")]
     return "\n".join(rows)
 
