@@ -138,7 +138,7 @@ def _matmuls_ms(decoder: Decoder, product: Callable[..., torch.Tensor]) -> float
 
 def _attention_backends_us(decoder: Decoder, context: int) -> dict[str, float]:
     """One layer's batch-1 decode attention over ``context + 1`` positions: the paged decode kernel (split-K as the
-    step runs it, in ``BLOCK_SIZE`` blocks), and SDPA over a contiguous span of the next multiple of 64 masked past
+    step runs it, merged in place, in ``BLOCK_SIZE`` blocks), and SDPA over a contiguous span of the next multiple of 64 masked past
     the context (the layout before the paged cache) with each backend that accepts it."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -150,8 +150,10 @@ def _attention_backends_us(decoder: Decoder, context: int) -> dict[str, float]:
     position = torch.tensor([context], device=device)
     query = torch.randn(1, c.num_attention_heads, c.head_dim, device=device, dtype=dtype)
     splits = decode_splits(1, c.num_query_groups, device)
+    counters = torch.zeros(c.num_query_groups, dtype=torch.int32, device=device)  # the splits merged in place
     result = {f"paged_triton_splits{splits}": round(1e3 * _per_call_ms(
-        lambda: paged_triton.decode(query, pool[0], pool[1], tables, position, None, splits, None), 200), 1)}
+        lambda: paged_triton.decode(query, pool[0], pool[1], tables, position, None, splits, None, counters),
+        200), 1)}
     q = torch.randn(1, c.num_attention_heads, 1, c.head_dim, device=device, dtype=dtype)
     layer = torch.randn(2, 1, span, c.num_query_groups, c.head_dim, device=device, dtype=dtype)
     k, v = layer.transpose(2, 3)

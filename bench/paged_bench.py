@@ -20,13 +20,16 @@ Parts (each runs on its own: one that fails prints its error and the others stil
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import io
+import os
 import random
 import string
 import time
 import traceback
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -45,13 +48,16 @@ from exporter.models.neva import ImagePerception
 from exporter.models.templates import get_template
 from exporter.runtime import Pipeline, Request
 from exporter.runtime.pipeline import PHASES
+from exporter.runtime.cuda_graphs import ForwardStep, Piece
 from exporter.runtime.kv_cache import KVCacheOptions
 from exporter.runtime.scheduler import Scheduler
 
-# the scheduler's part of a request's TTFT, between the handle's milestones (submitted, admitted, prompt queued,
-# first token read) and the answer back in the caller
-SCHEDULER_PHASES = ("admission (loop wake-up, prefix match, blocks)", "prefill steps queued (host)",
-                    "prefill on the device + first token read", "answer returned")
+# the scheduler's part of a request's TTFT, between the handle's milestones (submitted, admitted, its first prefill
+# step's launch begun, its last one's launch returned, first token choice queued, first token read) and the answer
+# back in the caller: the host's launch phases against the wait for the device
+SCHEDULER_PHASES = ("admission (loop wake-up, prefix match, blocks)", "planning (host)",
+                    "prefill steps launched (host)", "first token choice queued (host)",
+                    "waiting for the device + first token read", "answer returned")
 # the static cache's numbers on the same H100 (docs/performance.md; the second question's from issue 14)
 BEFORE = {"decode_bs1_ms": 5.55, "ttft_first_ms": 17.44, "ttft_second_ms": 18.7}
 CONTEXT, NEW_TOKENS = 608, 128
@@ -107,6 +113,8 @@ def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, m
         if kv_dtype == "auto":
             part(out, "concurrent", lambda: _concurrent(scheduler, sizes["concurrent"]))
             part(out, "long", lambda: _long_prompt(scheduler, sizes["long"], sizes["beside"]))
+            part(out, "mixed", lambda: _mixed_steps(scheduler, sizes["long"], sizes["beside"],
+                                                    scheduler.chunk_budget(decoding=True)))
     finally:
         scheduler.stop()
     return out
@@ -217,6 +225,54 @@ def _long_prompt(scheduler: Scheduler, length: int, beside: int) -> dict:
             "long_ttft_solo_ms": solo_ttft, "long_ttft_during_ms": during_ttft}
 
 
+def _mixed_steps(scheduler: Scheduler, length: int, beside: int, chunk: int) -> dict:
+    """The step of ``beside`` decode rows (CONTEXT positions each) and a ``chunk``-position prompt chunk, against
+    each part alone, at three points of a ``length``-position prompt (median device ms, CUDA events; the graphs
+    warm_up captured), and at the last point the combined step's device time by kernel kind and its costliest
+    kernels (profiler, ``breakdown._kernel_profile``)."""
+    forward, size, device = scheduler.forward, scheduler.block_size, scheduler.model.device
+    rows_blocks = -(-(CONTEXT + 1) // size)
+    held = scheduler.pool.allocate(beside * rows_blocks + -(-length // size))
+    tables = [held[r * rows_blocks: (r + 1) * rows_blocks] for r in range(beside)]
+    scheduler.tables.set(0, tables)
+    prompt_blocks = held[beside * rows_blocks:]
+    embeds = torch.zeros(chunk, scheduler.model.config.hidden_size, dtype=scheduler.model.dtype, device=device)
+    decode_args = dict(tokens=[1] * beside, positions=[CONTEXT] * beside)
+
+    def timed_step(rows: int, start: int | None) -> float:
+        pieces = [] if start is None else [Piece(embeds, start, prompt_blocks)]
+        args = decode_args if rows else {}
+        times = []
+        for _ in range(12):
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] if device.type == "cuda" else None
+            synchronize(device)
+            began = time.perf_counter()
+            if events:
+                events[0].record()
+            forward.launch(rows, CONTEXT + 1, pieces, **args)
+            if events:
+                events[1].record()
+            synchronize(device)
+            times.append(events[0].elapsed_time(events[1]) if events else (time.perf_counter() - began) * 1e3)
+        return float(np.median(times[2:]))
+
+    out: dict = {"mixed_rows": beside, "mixed_chunk": chunk, "mixed_rows_alone_ms": timed_step(beside, None)}
+    try:
+        for start in (0, length // 2, length - chunk):
+            out[f"mixed_after_{start}"] = {"chunk_alone_ms": timed_step(0, start),
+                                           "together_ms": timed_step(beside, start)}
+        if device.type == "cuda":
+            from breakdown import _kernel_profile
+
+            out.update(_kernel_profile("mixed", lambda: forward.launch(
+                beside, CONTEXT + 1, [Piece(embeds, length - chunk, prompt_blocks)], **decode_args)))
+    finally:
+        scheduler.chooser.release(0, beside)
+        scheduler.tables.clear(0, beside)
+        scheduler.pool.release(held)
+    return out
+
+
 def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -254,6 +310,7 @@ def _ttft(model: Decoder, shape: dict, repeats: int) -> dict:
     size = vision.image_size
     phases: dict[str, float] = {}
     handles: list = []
+    lengths: list[int] = []
     pipeline.on_phase = lambda name, seconds: phases.__setitem__(name, phases.get(name, 0.0) + seconds * 1e3)
     pipeline.submitted.append(handles.append)
 
@@ -267,7 +324,9 @@ def _ttft(model: Decoder, shape: dict, repeats: int) -> dict:
         if isinstance(completion, Exception):
             raise completion
         (handle,) = handles
-        milestones = (handle.submitted_at, handle.admitted_at, handle.prompt_queued_at, handle.first_token_at, end)
+        lengths.append(len(handle.prompt))
+        milestones = (handle.submitted_at, handle.admitted_at, handle.prefill_started_at, handle.prefill_launched_at,
+                      handle.prompt_queued_at, handle.first_token_at, end)
         times = {"total": (end - start) * 1e3, **phases}
         times.update({name: (later - earlier) * 1e3
                       for name, earlier, later in zip(SCHEDULER_PHASES, milestones, milestones[1:])})
@@ -275,21 +334,74 @@ def _ttft(model: Decoder, shape: dict, repeats: int) -> dict:
 
     try:
         images = [rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(repeats + 2)]
+        questions = {"first": [(f"Describe image {k} in detail.", image) for k, image in enumerate(images[2:])],
+                     "second": [(f"What colour is thing {k} in it?", images[2]) for k in range(repeats)]}
         for image in images[:2]:  # warm: compile, capture, autotune
             ask("Describe the image.", image)
             ask("What is in it?", image)
-        first = [ask(f"Describe image {k} in detail.", image) for k, image in enumerate(images[2:])]
-        reused_before = pipeline.scheduler.reused_positions
-        second = [ask(f"What colour is thing {k} in it?", images[2]) for k in range(repeats)]
-        reused = (pipeline.scheduler.reused_positions - reused_before) / repeats
+        scheduler = pipeline.scheduler
+        parts = {}  # per question kind: its runs, the positions one prefilled (median) and its prompt's length
+        with _syncs_recorded(model.device) as syncs:
+            for name, asked in questions.items():
+                before = scheduler.prefilled_positions
+                runs = [ask(*question) for question in asked]
+                parts[name] = (runs, round((scheduler.prefilled_positions - before) / repeats),
+                               int(np.median(lengths[-repeats:])))
     finally:
         pipeline.close()
-    result: dict = {"ttft_second_reused_positions": reused}
-    for name, runs in (("first", first), ("second", second)):
+    result: dict = {"ttft_host_syncs": syncs}
+    for name, (runs, prefilled, length) in parts.items():
         result[f"ttft_{name}_ms"] = float(np.median([times["total"] for times in runs]))
         result[f"ttft_{name}_phases_ms"] = {phase: float(np.median([times.get(phase, 0.0) for times in runs]))
                                             for phase in (*PHASES, *SCHEDULER_PHASES) if any(phase in t for t in runs)}
+        result[f"ttft_{name}_reused_positions"] = length - prefilled
+        # its prefill step alone on an idle device (the graph the questions replayed)
+        result[f"ttft_{name}_step_ms"] = prefill_step_ms(scheduler.forward, length - prefilled, prefilled)
     return result
+
+
+@contextlib.contextmanager
+def _syncs_recorded(device: torch.device) -> Iterator[dict[str, int]]:
+    """Count the host's synchronizing CUDA calls inside the block, by the line of Python that made them (CUDA's
+    sync debug mode; on the CPU nothing is counted). Event waits (a step's token read) are not counted."""
+    syncs: dict[str, int] = {}
+    if device.type != "cuda":
+        yield syncs
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield syncs
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    for warning in caught:
+        if "synchronizing" in str(warning.message):
+            where = f"{os.path.relpath(warning.filename)}:{warning.lineno}"
+            syncs[where] = syncs.get(where, 0) + 1
+
+
+def prefill_step_ms(step: ForwardStep, start: int, count: int, repeats: int = 10) -> dict[str, float]:
+    """One step prefilling ``count`` positions after ``start`` (the scheduler's graph of its chunk bucket) on an
+    idle device, median ms: the host's launch call, and the device's time for the step (CUDA events)."""
+    device = step.model.device
+    embeds = torch.zeros(count, step.model.config.hidden_size, dtype=step.model.dtype, device=device)
+    piece = Piece(embeds, start, [0] * step.tables.shape[1])  # the null block: its contents do not matter here
+    host, busy = [], []
+    for _ in range(repeats + 2):
+        synchronize(device)
+        began = time.perf_counter()
+        if device.type == "cuda":
+            events = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            events[0].record()
+        step.launch(0, 0, [piece])
+        host.append((time.perf_counter() - began) * 1e3)
+        if device.type == "cuda":
+            events[1].record()
+        synchronize(device)
+        busy.append(events[0].elapsed_time(events[1]) if device.type == "cuda" else host[-1])
+    return {"positions": count, "after": start, "host_launch_ms": float(np.median(host[2:])),
+            "device_ms": float(np.median(busy[2:]))}
 
 
 def report(result: dict) -> str:
@@ -326,6 +438,15 @@ def report(result: dict) -> str:
         breakdown = result.get(f"ttft_{name}_phases_ms") or {}
         rows.append(f"  {name} question's TTFT by phase, median ms: "
                     + ", ".join(f"{phase} {ms:.2f}" for phase, ms in breakdown.items()))
+        alone = result.get(f"ttft_{name}_step_ms")
+        if alone:
+            rows.append(f"  {name} question's prefill step alone ({alone['positions']} positions after "
+                        f"{alone['after']}): host launch {alone['host_launch_ms']:.2f} ms, device "
+                        f"{alone['device_ms']:.2f} ms")
+    syncs = result.get("ttft_host_syncs")
+    if syncs is not None:
+        rows.append("  synchronizing host calls during the timed questions: "
+                    + (", ".join(f"{where} x{count}" for where, count in syncs.items()) or "none"))
     rows.append(f"{result.get('concurrent_requests', '-')} concurrent requests ({CONTEXT} + {NEW_TOKENS}): "
                 f"{result.get('concurrent_completed', '-')} completed, {result.get('concurrent_errors', '-')} errors, "
                 f"{value('concurrent_s')} s, {value('concurrent_tok_s', 0)} tok/s, at most "
@@ -340,6 +461,16 @@ def report(result: dict) -> str:
         rows.append(f"{result['long_len']}-position prompt TTFT ms: alone {value('long_ttft_solo_ms', 1)}, while "
                     f"{result['long_beside_rows']} rows decode {value('long_ttft_during_ms', 1)} (x"
                     f"{result['long_ttft_during_ms'] / result['long_ttft_solo_ms']:.2f}, target <= 1.3)")
+    if "mixed_rows_alone_ms" in result:
+        rows.append(f"one step, device ms: {result['mixed_rows']} decode rows alone "
+                    f"{result['mixed_rows_alone_ms']:.2f}; a {result['mixed_chunk']}-position chunk after P "
+                    "positions alone / beside them: "
+                    + ", ".join(f"P={key.split('_')[-1]} {times['chunk_alone_ms']:.2f} / {times['together_ms']:.2f}"
+                                for key, times in result.items() if key.startswith("mixed_after_")))
+    if "breakdown_mixed_kernel_us_by_kind" in result:
+        rows.append("  the step beside them at the last P by kernel kind, us: "
+                    + ", ".join(f"{kind} {us:.0f}" for kind, us in result["breakdown_mixed_kernel_us_by_kind"].items()))
+        rows += [f"    {line}" for line in result["breakdown_mixed_top_kernels_us"]]
     rows += [f"{key}: {result[key]}" for key in sorted(result) if key.endswith("_error")]
     return "\n".join(rows)
 

@@ -1,7 +1,8 @@
 """On CUDA (skipped elsewhere): the paged KV cache's kernels and captured steps.
 
 - the decode and chunk kernels in bfloat16 (and on float8 blocks) within 1e-2 of the gather + SDPA reference in
-  float32, on the GPU;
+  float32, on the GPU (their key splits merged by a second kernel or in place, the latter the same on every
+  run);
 - float32 greedy tokens through captured steps (prompts chunked onto running decode steps, a reused prefix, a
   4k-position prompt) equal the CPU's static cache;
 - float8 KV logits within 5% (relative norm) of bfloat16 KV logits through captured steps;
@@ -53,6 +54,12 @@ def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
         expected = paged_attention._decode_reference(query.float(), k, v, batch, layer_scales, None)
         got = paged_triton.decode(query, k, v, tables, positions, layer_scales, splits, None)
         assert relative_error(got, expected) < 1e-2, f"decode, {splits} splits"
+        # the splits merged by each (row, KV head)'s last one: the same numbers every time (no split read before
+        # it was written), the tickets left at zero
+        merged = [paged_triton.decode(query, k, v, tables, positions, layer_scales, splits, None, cache.counters)
+                  for _ in range(20)]
+        assert relative_error(merged[0], expected) < 1e-2, f"decode, {splits} splits merged in place"
+        assert all(torch.equal(again, merged[0]) for again in merged[1:]) and not cache.counters.any()
     sequences = ((0, 300, 0), (300, 77, 500))
     tile = paged_triton.CHUNK_TILE
     tiles = torch.tensor([[s, first + o, min(tile, count - o), start + o] for s, (first, count, start)
@@ -60,10 +67,13 @@ def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
     chunk_query = torch.randn(400, groups * per_group, dim, device="cuda", generator=generator).bfloat16()
     chunk = Chunk(tables[:2], None, None, tiles, sequences)
     expected = paged_attention._chunk_reference(chunk_query.float(), k, v, chunk, layer_scales, None)
-    for splits in (1, 4):
-        got = paged_triton.chunk(chunk_query, k, v, tables[:2], tiles, layer_scales, None, splits)
+    for splits, counters in ((1, None), (4, None), (4, cache.counters), (16, cache.counters)):
+        runs = [paged_triton.chunk(chunk_query, k, v, tables[:2], tiles, layer_scales, None, splits, counters)
+                for _ in range(1 if counters is None else 20)]
+        got = runs[0]
         assert relative_error(got[:377], expected[:377]) < 1e-2, f"chunk, {splits} splits"
         assert not got[377:].any()  # queries no tile covers
+        assert all(torch.equal(again, got) for again in runs[1:]) and not cache.counters.any()
 
 
 @torch.inference_mode()

@@ -27,6 +27,20 @@ def kernels():
     return paged_triton
 
 
+@pytest.fixture(params=[False, True], ids=["rows first", "KV heads first"])
+def decode_order(kernels, request):
+    """The decode kernels run with their first configuration of this grid order (the interpreter cannot time
+    configurations: it runs one)."""
+    tuned = (kernels._decode_tuned, kernels._decode_tuned_fp8)
+    saved = [(kernel.configs, kernel.cache) for kernel in tuned]
+    for kernel, configs in zip(tuned, (kernels._DECODE_CONFIGS, kernels._DECODE_FP8_CONFIGS)):
+        kernel.configs = [next(c for c in configs if c.kwargs["GROUP_MAJOR"] == request.param)]
+        kernel.cache = {}
+    yield request.param
+    for kernel, (configs, cache) in zip(tuned, saved):
+        kernel.configs, kernel.cache = configs, cache
+
+
 def test_kernels_under_the_triton_interpreter():
     run_under_triton_interpreter(__file__)
 
@@ -62,9 +76,12 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("dtype, groups, per_group, dim, block_size, fp8", SHAPES)
-@pytest.mark.parametrize("splits, window", [(1, None), (3, None), (4, 9)])
-def test_decode_kernel_matches_the_reference(kernels, dtype, groups, per_group, dim, block_size, fp8, splits,
-                                             window):
+@pytest.mark.parametrize("splits, window, merged_in_place", [(1, None, False), (3, None, False), (4, 9, False),
+                                                             (3, None, True), (5, 9, True)])
+def test_decode_kernel_matches_the_reference(kernels, decode_order, dtype, groups, per_group, dim, block_size, fp8,
+                                             splits, window, merged_in_place):
+    """With splits, merged by a second kernel or by each (row, KV head)'s last split (its tickets left at zero,
+    so the next call merges too; splits past a short row's positions hold no key); either grid order."""
     rows, width = 4, -(-48 // block_size)
     cache = _cache(dtype, groups, dim, block_size, blocks=rows * width + 1, fp8=fp8)
     tables = _tables(rows, width, cache.num_blocks, seed=1)
@@ -73,17 +90,23 @@ def test_decode_kernel_matches_the_reference(kernels, dtype, groups, per_group, 
     batch = PagedBatch(cache, rows=rows, tables=tables, positions=positions, span=48, splits=splits)
     k, v, scales = cache.layer(0)
     expected = paged_attention._decode_reference(query, k, v, batch, scales, window)
-    got = kernels.decode(query, k, v, tables, positions, scales, splits, window)
+    counters = cache.counters if merged_in_place else None
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    for _ in range(2 if merged_in_place else 1):
+        got = kernels.decode(query, k, v, tables, positions, scales, splits, window, counters)
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+    assert not cache.counters.any()
 
 
 @pytest.mark.parametrize("dtype, groups, per_group, dim, block_size, fp8", SHAPES)
-@pytest.mark.parametrize("splits, window", [(1, None), (1, 11), (3, None), (4, 11)])
-def test_chunk_kernel_matches_the_reference(kernels, dtype, groups, per_group, dim, block_size, fp8, splits, window):
+@pytest.mark.parametrize("splits, window, merged_in_place", [(1, None, False), (1, 11, False), (3, None, False),
+                                                             (4, 11, False), (3, None, True), (4, 11, True)])
+def test_chunk_kernel_matches_the_reference(kernels, dtype, groups, per_group, dim, block_size, fp8, splits, window,
+                                            merged_in_place):
     """Three sequences of one chunk, two starting after cached positions (one past two whole key tiles, which the
     kernel reads unmasked), with padding after them; the tiles as the step builds them (at most CHUNK_TILE queries
-    each, one unused); with splits, each tile's keys cut into parts merged after (some parts without a key)."""
+    each, one unused); with splits, each tile's keys cut into parts merged after, by a second kernel or by each
+    tile's last part (some parts without a key)."""
     width = -(-150 // block_size)
     cache = _cache(dtype, groups, dim, block_size, blocks=3 * width + 1, fp8=fp8)
     tables = _tables(3, width, cache.num_blocks, seed=3)
@@ -96,7 +119,57 @@ def test_chunk_kernel_matches_the_reference(kernels, dtype, groups, per_group, d
     chunk = Chunk(tables=tables, blocks=None, offsets=None, tiles=tiles, sequences=sequences)
     k, v, scales = cache.layer(0)
     expected = paged_attention._chunk_reference(query, k, v, chunk, scales, window)
-    got = kernels.chunk(query, k, v, tables, tiles, scales, window, splits)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-    torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
-    assert not got[131:].any()  # padding queries no tile covers
+    for _ in range(2 if merged_in_place else 1):
+        got = kernels.chunk(query, k, v, tables, tiles, scales, window, splits,
+                            cache.counters if merged_in_place else None)
+        torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
+        assert not got[131:].any()  # padding queries no tile covers
+    assert not cache.counters.any()
+
+
+def test_the_configurations_are_timed_once_per_kind_of_call_on_representative_work(monkeypatch):
+    """Whatever the autotuner timed before (a capture's empty work) is timed again, once per kind of call, on the
+    representative work, and kept beside the other keys' timings; not on a pool small enough to stay in cache."""
+    from exporter.llm import paged_triton
+
+    monkeypatch.setattr(paged_triton, "_INTERPRETED", False)
+    monkeypatch.setattr(paged_triton, "_tuned", set())
+    kernels = (paged_triton._decode_tuned, paged_triton._decode_tuned_fp8, paged_triton._chunk_tuned)
+    for kernel in kernels:
+        monkeypatch.setattr(kernel, "cache", {("timed on empty work",): "first"})
+    timed = []
+
+    def representative():
+        assert all(kernel.cache == {} for kernel in kernels)  # the autotuner times its configurations again
+        paged_triton._decode_tuned.cache[("timed on empty work",)] = "representative"
+        timed.append(True)
+
+    paged_triton._tune_first(("decode", 1), paged_triton.TUNE_MIN_BLOCKS - 1, representative)
+    assert not timed
+    for _ in range(2):
+        paged_triton._tune_first(("decode", 1), paged_triton.TUNE_MIN_BLOCKS, representative)
+    assert timed == [True]
+    assert paged_triton._decode_tuned.cache == {("timed on empty work",): "representative"}
+    assert paged_triton._chunk_tuned.cache == {("timed on empty work",): "first"}
+
+
+def test_the_representative_work_stays_within_the_pool_and_the_tables(kernels):
+    """The work the configurations are timed on: tables over distinct real blocks, a chunk after cached positions
+    within a row's blocks; the kernels on it match the reference."""
+    from exporter.llm import paged_triton
+
+    width, block_size = 12, 4
+    cache = _cache(torch.float32, 2, 16, block_size, blocks=20)
+    k, v, _ = cache.layer(0)
+    tables = paged_triton._spread_tables(torch.zeros(3, width, dtype=torch.int32), cache.num_blocks)
+    assert tables.min() >= 1 and tables.max() < cache.num_blocks
+    tiles = paged_triton._prefix_tiles(100, 3, width * block_size, torch.device("cpu"))
+    used = tiles[tiles[:, 0] >= 0]
+    assert used[:, 2].sum() == 48 and used[-1, 3] + used[-1, 2] == width * block_size  # the row's last position
+    query = torch.randn(100, 4, 16, generator=torch.Generator().manual_seed(5))
+    chunk = Chunk(tables=tables, blocks=None, offsets=None, tiles=tiles,
+                  sequences=((0, 48, int(used[0, 3])),))
+    expected = paged_attention._chunk_reference(query, k, v, chunk, None, None)
+    got = kernels.chunk(query, k, v, tables, tiles, None, None, 2, cache.counters)
+    torch.testing.assert_close(got[:48], expected[:48], rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ from exporter.llm.config import DecoderConfig
 from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.paged_attention import FP8_DTYPE, PagedBatch, PagedKVCache, paged_attention
+from exporter.llm.paged_triton import split_count
 from exporter.runtime.cuda_graphs import Piece, chunk_bucket_sizes
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
 from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, generate
@@ -49,6 +50,12 @@ def _block_bytes(model: Decoder, block_size: int) -> int:
 
 
 # --- host bookkeeping --------------------------------------------------------------------------------------------
+
+
+def test_the_kernels_split_keys_into_the_most_parts_that_fit_one_wave():
+    assert split_count(32, 264, 16) == 8  # not 9: 288 programs would start a second wave for 24 of them
+    assert split_count(96, 264, 16) == 2 and split_count(192, 264, 16) == 1
+    assert split_count(2048, 264, 16) == 1 and split_count(1, 264, 16) == 16
 
 
 def test_prefix_keys_chain_every_position_before_them():
@@ -119,6 +126,12 @@ def test_chunked_prefill_equals_unchunked_while_others_decode(model):
     for ids, handle in handles:
         assert handle.result(timeout=0) == static_greedy(model, _embeds(model, ids), len(handle.result(timeout=0)))
     assert scheduler.prefilled_positions == 5 + 23 + 40 + 9 and scheduler.reused_positions == 0
+    for _, handle in handles[1:]:  # the milestones of a TTFT's phases, in order (40 positions: several steps)
+        milestones = (handle.submitted_at, handle.admitted_at, handle.prefill_started_at,
+                      handle.prefill_launched_at, handle.prompt_queued_at, handle.first_token_at)
+        assert all(a <= b for a, b in zip(milestones, milestones[1:])), milestones
+    long = handles[2][1]
+    assert long.prefill_started_at < long.prefill_launched_at
 
 
 def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_most_the_decode_budget(model):

@@ -17,7 +17,7 @@ A float8 (e4m3) cache stores `value / scale` with one static scale per (layer, k
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +30,22 @@ FP8_MAX = 448.0  # the largest finite e4m3 value
 FP8_HEADROOM = 4.0  # scales leave room for keys and values this many times the calibrated largest magnitude
 
 
+MERGE_SLOTS = 4096  # (row, KV head) pairs a decode kernel with split keys can merge in place (see `counters`)
+
+
 @dataclass
 class PagedKVCache:
-    """The block pool of every layer (see the module docstring); `scales` only for a float8 cache."""
+    """The block pool of every layer (see the module docstring); `scales` only for a float8 cache. `counters`
+    `[MERGE_SLOTS]` int32, zero between calls: the decode kernel's tickets, one per (row, KV head), with which the
+    last of its key splits to finish merges them (one kernel per layer, no merge kernel after it); the cache's own,
+    as the steps that read it never run concurrently."""
 
     data: Tensor
     scales: Tensor | None = None
+    counters: Tensor = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.counters = torch.zeros(MERGE_SLOTS, dtype=torch.int32, device=self.data.device)
 
     @property
     def block_size(self) -> int:
@@ -129,14 +139,15 @@ def paged_attention(q: Tensor, layer: int, batch: PagedBatch, window: int | None
         decode_q = q[: batch.rows]
         if kernels:
             parts.append(paged_triton.decode(decode_q, k, v, batch.tables, batch.positions, scales, batch.splits,
-                                             window))
+                                             window, batch.cache.counters))
         else:
             parts.append(_decode_reference(decode_q, k, v, batch, scales, window))
     if batch.chunk is not None:
         chunk_q = q[batch.rows:]
         chunk = batch.chunk
         if kernels:
-            parts.append(paged_triton.chunk(chunk_q, k, v, chunk.tables, chunk.tiles, scales, window, chunk.splits))
+            parts.append(paged_triton.chunk(chunk_q, k, v, chunk.tables, chunk.tiles, scales, window, chunk.splits,
+                                            batch.cache.counters))
         else:
             parts.append(_chunk_reference(chunk_q, k, v, chunk, scales, window))
     return parts[0] if len(parts) == 1 else torch.cat(parts)

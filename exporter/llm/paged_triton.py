@@ -11,16 +11,20 @@ final output, never applied per element. A float8 cache's decode tiles take twic
 
 - `decode`: one query token per row. A program takes one (row, KV head, split): it loads each key and value
   block once for all the query heads of that KV head (GQA), over its share of the row's positions. With
-  `splits > 1` the row's positions are cut into that many parts whose partial results a second kernel merges
-  (split-K: enough programs to keep every SM reading at small batch and long context).
+  `splits > 1` the row's positions are cut into that many parts (split-K: enough programs to keep every SM
+  reading at small batch and long context) whose partial results the last part to finish merges, told so by a
+  ticket it takes from the cache's counters (one kernel a layer: a merge kernel after it costs a launch a layer,
+  some 2 µs of a batch-1 step each).
 - `chunk`: query tiles of consecutive prompt positions of one row (a `tiles` table: sequence, first query, count,
-  first position), each attending causally to the row's blocks up to its own position.
+  first position), each attending causally to the row's blocks up to its own position; its key splits (a few
+  tiles over a long prefix) merged the same way, per (tile, head).
 """
 
 from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -32,13 +36,25 @@ except ImportError:  # no Triton: the reference path in exporter.llm.paged_atten
     triton = None
 
 CHUNK_TILE = 64  # query positions per chunk-kernel program (the host cuts sequences into tiles of this size)
+TUNE_CONTEXT = 1024  # the positions of each decode row while the decode kernel's configurations are timed
+TUNE_PREFIX = 4096  # the cached positions before a chunk while the chunk kernel's configurations are timed
+TUNE_MIN_BLOCKS = 256  # the smallest pool the configurations are timed over (a smaller one stays in the L2 cache)
 _LOG2E = 1.4426950408889634
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_tuned: set[tuple] = set()  # the kinds of call (`_tune_first`) whose configurations were timed
 
 
 def available() -> bool:
     """Whether the kernels can run (Triton is importable)."""
     return triton is not None
+
+
+def split_count(programs: int, slots: int, most: int) -> int:
+    """How many parts (at most ``most``) to cut the keys of each of ``programs`` kernel programs into, when the GPU
+    runs ``slots`` programs at once: the most that still fit in one wave (at least one part). One part more would
+    start a second wave, which takes as long as the first: 32 programs over 264 slots take 8 parts (256 programs),
+    not 9 (288, a second wave of 24 that doubles the time)."""
+    return max(1, min(most, slots // programs))
 
 
 def _padded(dim: int) -> int:
@@ -51,10 +67,27 @@ def _precision(dtype: torch.dtype) -> str:
 
 
 def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, scales: Tensor | None,
-           splits: int, window: int | None) -> Tensor:
+           splits: int, window: int | None, counters: Tensor | None = None) -> Tensor:
     """Attention of `q [R, heads, d]` (row r's token at `positions[r]`) over keys `[0, positions[r]]` of row r's
-    blocks `tables [>= R, max_blocks]` (int32). `scales [2, kv_heads]` for float8 blocks. Returns `[R, heads, d]`."""
+    blocks `tables [>= R, max_blocks]` (int32). `scales [2, kv_heads]` for float8 blocks. With `splits > 1` and
+    `counters` (int32, zero, at least `R x kv_heads`; left zero) the last split of each (row, KV head) to finish
+    merges the splits, else a second kernel does. Returns `[R, heads, d]`. The first call of its kind first times
+    the kernel's configurations on rows of `TUNE_CONTEXT` positions (`_tune_first`)."""
     q = q.contiguous()
+    rows = q.shape[0]
+    if rows:
+        context = min(TUNE_CONTEXT, tables.shape[1] * k.shape[1])
+        _tune_first(("decode", triton.next_power_of_2(rows), q.shape[1:], q.dtype, k.shape[1:], k.dtype, k.stride(),
+                     tables.shape[1], tables.dtype, positions.dtype, scales is not None, splits, window is not None,
+                     counters is not None and counters.numel() >= rows * k.shape[2], q.device), k.shape[0],
+                    lambda: _decode(q, k, v, _spread_tables(tables[:rows], k.shape[0]),
+                                    torch.full((rows,), context - 1, dtype=positions.dtype, device=q.device), scales,
+                                    splits, window, counters))
+    return _decode(q, k, v, tables, positions, scales, splits, window, counters)
+
+
+def _decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, scales: Tensor | None,
+            splits: int, window: int | None, counters: Tensor | None) -> Tensor:
     rows, heads, dim = q.shape
     groups = k.shape[2]
     per_group = heads // groups
@@ -69,27 +102,50 @@ def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, s
     scale = _LOG2E / math.sqrt(dim)
     kernel = _decode_tuned_fp8 if fp8 else _decode_tuned
     if splits <= 1:
-        kernel[(rows, groups, 1)](q, k, v, tables, positions, k_scale, v_scale, out, out, *strides, out.stride(0),
-                                  out.stride(1), 0, tables.shape[1], window or 0, scale, triton.next_power_of_2(rows),
-                                  SPLITS=1, **common)
+        kernel[_decode_grid(rows, groups, 1)](q, k, v, tables, positions, k_scale, v_scale, out, out, out, out,
+                                              *strides, out.stride(0), out.stride(1), 0, tables.shape[1],
+                                              window or 0, scale, triton.next_power_of_2(rows), SPLITS=1,
+                                              MERGE=False, **common)
         return out
     partial = torch.empty(rows, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(rows, heads, splits, dtype=torch.float32, device=q.device)
-    kernel[(rows, groups, splits)](q, k, v, tables, positions, k_scale, v_scale, partial, lse, *strides,
-                                   partial.stride(0), partial.stride(1), partial.stride(2), tables.shape[1],
-                                   window or 0, scale, triton.next_power_of_2(rows), SPLITS=splits, **common)
-    _merge(partial, lse, out, splits)
+    merge = counters is not None and counters.numel() >= rows * groups
+    kernel[_decode_grid(rows, groups, splits)](q, k, v, tables, positions, k_scale, v_scale, partial, lse, out,
+                                               counters if merge else out, *strides, partial.stride(0),
+                                               partial.stride(1), partial.stride(2), tables.shape[1], window or 0,
+                                               scale, triton.next_power_of_2(rows), SPLITS=splits, MERGE=merge,
+                                               **common)
+    if not merge:
+        _merge(partial, lse, out, splits)
     return out
 
 
+def _decode_grid(rows: int, groups: int, splits: int):
+    """The decode kernel's grid for the configuration the autotuner runs (its ``GROUP_MAJOR`` order)."""
+    return lambda meta: (groups, rows, splits) if meta["GROUP_MAJOR"] else (rows, groups, splits)
+
+
 def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales: Tensor | None,
-          window: int | None, splits: int = 1) -> Tensor:
+          window: int | None, splits: int = 1, counters: Tensor | None = None) -> Tensor:
     """Causal attention of prompt positions `q [C, heads, d]` over their rows' blocks. `tiles [T, 4]` int32: per
     program (sequence s or -1, first query index, query count <= CHUNK_TILE, position of that first query);
-    sequence s reads blocks `tables[s]`. With `splits > 1` each tile's keys are cut into that many parts merged
-    afterwards (a few tiles over a long prefix still keep every SM busy). Queries no tile covers come back as
-    zeros."""
+    sequence s reads blocks `tables[s]`. With `splits > 1` each tile's keys are cut into that many parts (a few
+    tiles over a long prefix still keep every SM busy), merged as `decode` merges its splits (in place with
+    `counters`, at least `T x heads`). Queries no tile covers come back as zeros. The first call of its kind
+    first times the kernel's configurations on the chunk's queries after `TUNE_PREFIX` cached positions."""
     q = q.contiguous()
+    if q.shape[0] and tiles.shape[0]:
+        _tune_first(("chunk", q.shape[1:], q.dtype, k.shape[1:], k.dtype, k.stride(), tables.shape[1],
+                     tables.dtype, scales is not None, splits, window is not None,
+                     counters is not None and counters.numel() >= tiles.shape[0] * q.shape[1], q.device),
+                    k.shape[0], lambda: _chunk(q, k, v, _spread_tables(tables, k.shape[0]),
+                                   _prefix_tiles(q.shape[0], tiles.shape[0], tables.shape[1] * k.shape[1], q.device),
+                                   scales, window, splits, counters))
+    return _chunk(q, k, v, tables, tiles, scales, window, splits, counters)
+
+
+def _chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales: Tensor | None,
+           window: int | None, splits: int, counters: Tensor | None) -> Tensor:
     tokens, heads, dim = q.shape
     groups = k.shape[2]
     out = torch.zeros_like(q)
@@ -97,20 +153,65 @@ def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales
         return out
     fp8 = scales is not None
     k_scale, v_scale = (scales[0], scales[1]) if fp8 else (q, q)
+    merge = splits > 1 and counters is not None and counters.numel() >= tiles.shape[0] * heads
     if splits <= 1:
         target, lse, target_strides = out, out, (out.stride(0), out.stride(1), 0)
-    else:  # every split's partial output; queries no tile covers keep no weight (-inf) and merge to zeros
+    else:  # every split's partial output; for a merge kernel, queries no tile covers keep no weight (-inf): zeros
         target = torch.empty(tokens, heads, splits, dim, dtype=torch.float32, device=q.device)
-        lse = torch.full((tokens, heads, splits), float("-inf"), dtype=torch.float32, device=q.device)
+        lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=q.device)
+        if not merge:
+            lse.fill_(float("-inf"))
         target_strides = (target.stride(0), target.stride(1), target.stride(2))
     _chunk_tuned[(tiles.shape[0], heads, splits)](
-        q, k, v, tables, tiles, k_scale, v_scale, target, lse, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        k.stride(2), tables.stride(0), *target_strides, tables.shape[1], window or 0, _LOG2E / math.sqrt(dim),
-        QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1], BLOCK_M=CHUNK_TILE, SPLITS=splits, FP8=fp8,
-        WINDOWED=window is not None, PRECISION=_precision(q.dtype))
-    if splits > 1:
+        q, k, v, tables, tiles, k_scale, v_scale, target, lse, out, counters if merge else out, q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0), *target_strides, tables.shape[1],
+        window or 0, _LOG2E / math.sqrt(dim), QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1],
+        BLOCK_M=CHUNK_TILE, SPLITS=splits, FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype),
+        MERGE=merge)
+    if splits > 1 and not merge:
         _merge(target, lse, out, splits)
     return out
+
+
+def _tune_first(kind: tuple, pool_blocks: int, representative: Callable[[], object]) -> None:
+    """Time the kernel's configurations on ``representative`` (the kernel on work of a typical size, with the
+    call's shapes and types) the first time a call of this ``kind`` comes over a pool of at least
+    ``TUNE_MIN_BLOCKS`` blocks, whatever the autotuner timed before: it keeps the configuration it timed on the
+    first call of each of its keys, and a step graph is captured on idle rows and an empty chunk (one key each,
+    where every configuration takes the same launch time), a step's memory measured on a pool of two blocks. Not
+    while a graph is being captured, nor under the interpreter (it runs one configuration)."""
+    if (kind in _tuned or pool_blocks < TUNE_MIN_BLOCKS or _INTERPRETED
+            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
+        return
+    _tuned.add(kind)
+    kernels = (_decode_tuned, _decode_tuned_fp8, _chunk_tuned)
+    timed_before = [kernel.cache for kernel in kernels]
+    for kernel in kernels:
+        kernel.cache = {}
+    try:
+        representative()
+    finally:
+        for kernel, before in zip(kernels, timed_before):
+            kernel.cache = {**before, **kernel.cache}
+
+
+def _spread_tables(like: Tensor, blocks: int) -> Tensor:
+    """Block tables shaped and typed as ``like`` over distinct blocks of a pool of ``blocks`` (never the null
+    block 0, but in a pool of it alone), wrapping around the pool."""
+    spread = torch.arange(like.numel(), device=like.device)
+    spread = spread % (blocks - 1) + 1 if blocks > 1 else spread * 0
+    return spread.to(like.dtype).view(like.shape)
+
+
+def _prefix_tiles(tokens: int, count: int, capacity: int, device: torch.device) -> Tensor:
+    """``count`` chunk tiles: one sequence of up to ``tokens`` queries after up to ``TUNE_PREFIX`` cached positions
+    (within a row's ``capacity``), unused tiles after it."""
+    queries = min(tokens, count * CHUNK_TILE, capacity)
+    start = max(0, min(TUNE_PREFIX, capacity - queries))
+    tiles = torch.full((count, 4), -1, dtype=torch.int32)
+    for index, offset in enumerate(range(0, queries, CHUNK_TILE)):
+        tiles[index] = torch.tensor([0, offset, min(CHUNK_TILE, queries - offset), start + offset])
+    return tiles.to(device)
 
 
 def _merge(partial: Tensor, lse: Tensor, out: Tensor, splits: int) -> None:
@@ -180,14 +281,20 @@ if triton is not None:
 
     @triton.jit
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
-                             lse_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_or,
-                             stride_oh, stride_os, max_blocks, window, scale, row_bucket, QPG: tl.constexpr,
-                             QP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                             BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
-                             PRECISION: tl.constexpr):
-        """One (row, KV head, split): online softmax over the split's keys for the KV head's query heads."""
-        row = tl.program_id(0)
-        group = tl.program_id(1)
+                             lse_ptr, merged_ptr, counters_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                             stride_tr, stride_or, stride_oh, stride_os, max_blocks, window, scale, row_bucket,
+                             QPG: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                             BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
+                             WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
+                             GROUP_MAJOR: tl.constexpr):
+        """One (row, KV head, split), the grid ``(rows, KV heads, splits)`` or with ``GROUP_MAJOR`` ``(KV heads,
+        rows, splits)``: online softmax over the split's keys for the KV head's query heads. With
+        ``MERGE`` the split that finishes last (its ticket from ``counters_ptr``) merges the row's splits into
+        ``merged_ptr`` (laid out as ``q``) and sets the ticket back to zero."""
+        if GROUP_MAJOR:  # programs side by side read the same positions of every KV head: longer runs of bytes
+            group, row, groups = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
+        else:
+            row, group, groups = tl.program_id(0), tl.program_id(1), tl.num_programs(1)
         split = tl.program_id(2)
         position = tl.load(positions_ptr + row).to(tl.int32)
         context = position + 1
@@ -222,7 +329,36 @@ if triton is not None:
         else:
             tl.store(out, acc, mask=head_ok[:, None] & d_ok[None, :])
             lse = tl.where(found, m + tl.log2(tl.where(found, total, 1.0)), float("-inf"))
-            tl.store(lse_ptr + (row * (QPG * tl.num_programs(1)) + heads) * SPLITS + split, lse, mask=head_ok)
+            tl.store(lse_ptr + (row * (QPG * groups) + heads) * SPLITS + split, lse, mask=head_ok)
+            if MERGE:
+                tl.debug_barrier()  # every thread's partial stored before the ticket is taken (released with it)
+                slot = row * groups + group
+                if tl.atomic_add(counters_ptr + slot, 1, sem="acq_rel") == SPLITS - 1:
+                    tl.store(counters_ptr + slot, 0)
+                    _merge_splits(out_ptr + row.to(tl.int64) * stride_or + heads[:, None] * stride_oh + d[None, :],
+                                  lse_ptr + (row * (QPG * groups) + heads) * SPLITS,
+                                  merged_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                                  head_ok[:, None] & d_ok[None, :], head_ok, stride_os, QP, DP, SPLITS)
+
+    @triton.jit
+    def _merge_splits(partial_ptrs, lse_ptrs, out_ptrs, mask, rows_ok, stride_os, ROWS: tl.constexpr,
+                      DP: tl.constexpr, SPLITS: tl.constexpr):
+        """The splits' partial outputs (``partial_ptrs + split * stride_os``, read past the L1 cache: other
+        programs wrote them) weighted by their share of the softmax mass (``lse_ptrs + split``), into
+        ``out_ptrs``."""
+        running = tl.full((ROWS,), -1e30, dtype=tl.float32)
+        mass = tl.zeros((ROWS,), dtype=tl.float32)
+        acc = tl.zeros((ROWS, DP), dtype=tl.float32)
+        for split in tl.static_range(SPLITS):
+            lse = tl.load(lse_ptrs + split, mask=rows_ok, other=float("-inf"), cache_modifier=".cg")
+            partial = tl.load(partial_ptrs + split * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+            new = tl.maximum(running, lse)
+            alpha = tl.exp2(running - new)
+            weight = tl.where(lse > float("-inf"), tl.exp2(lse - new), 0.0)
+            mass = mass * alpha + weight
+            acc = acc * alpha[:, None] + partial * weight[:, None]
+            running = new
+        tl.store(out_ptrs, (acc / tl.where(mass > 0, mass, 1.0)[:, None]).to(out_ptrs.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _paged_merge_kernel(partial_ptr, lse_ptr, out_ptr, stride_pr, stride_ph, stride_ps, stride_or, stride_oh,
@@ -247,12 +383,13 @@ if triton is not None:
 
     @triton.jit
     def _paged_chunk_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
-                            stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tr, stride_ot, stride_oh,
-                            stride_os, max_blocks, window, scale, QPG: tl.constexpr, D: tl.constexpr,
-                            DP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            SPLITS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
-                            PRECISION: tl.constexpr):
-        """One (query tile, head, split): causal online softmax over the split's share of the tile's keys."""
+                            merged_ptr, counters_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
+                            stride_tr, stride_ot, stride_oh, stride_os, max_blocks, window, scale, QPG: tl.constexpr,
+                            D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
+                            PRECISION: tl.constexpr, MERGE: tl.constexpr):
+        """One (query tile, head, split): causal online softmax over the split's share of the tile's keys (with
+        ``MERGE``, the tile's last split to finish merges them into ``merged_ptr``, laid out as ``q``)."""
         tile = tl.program_id(0)
         head = tl.program_id(1)
         split = tl.program_id(2)
@@ -307,19 +444,37 @@ if triton is not None:
                 tl.store(out, acc, mask=row_ok[:, None] & d_ok[None, :])
                 lse = tl.where(found, m + tl.log2(tl.where(found, total, 1.0)), float("-inf"))
                 tl.store(lse_ptr + (tokens * tl.num_programs(1) + head) * SPLITS + split, lse, mask=row_ok)
+                if MERGE:
+                    tl.debug_barrier()
+                    slot = tile * tl.num_programs(1) + head
+                    if tl.atomic_add(counters_ptr + slot, 1, sem="acq_rel") == SPLITS - 1:
+                        tl.store(counters_ptr + slot, 0)
+                        _merge_splits(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
+                                      lse_ptr + (tokens * tl.num_programs(1) + head) * SPLITS,
+                                      merged_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
+                                      row_ok[:, None] & d_ok[None, :], row_ok, stride_os, BLOCK_M, DP, SPLITS)
 
     # Decode reads the cache once: the configurations vary the keys per iteration and the pipelining depth that
     # keep HBM busy (H100: 64-128 keys of 128-dim bf16 per iteration, 2-4 stages; float8 halves the bytes).
+    # Each also with the KV heads' programs side by side (GROUP_MAJOR) for the shapes likeliest to win: a float8
+    # key row of one head is 128 bytes, 4 KB apart from the next position's, and its neighbours in memory are the
+    # other heads' rows of the same position.
     _DECODE_CONFIGS = [
-        triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
-        for n, warps, stages in ((64, 4, 3), (32, 2, 3), (32, 4, 4), (64, 4, 2), (64, 8, 3), (128, 4, 2),
-                                 (128, 8, 2), (128, 8, 3), (256, 8, 2))
+        triton.Config({"BLOCK_N": n, "GROUP_MAJOR": major}, num_warps=warps, num_stages=stages)
+        for n, warps, stages, major in ((64, 4, 3, False), (32, 2, 3, False), (32, 4, 4, False), (64, 4, 2, False),
+                                        (64, 8, 3, False), (128, 4, 2, False), (128, 8, 2, False),
+                                        (128, 8, 3, False), (256, 8, 2, False), (64, 4, 3, True),
+                                        (128, 4, 2, True), (128, 8, 2, True))
     ]
-    # A float8 cache: the same shapes with twice the positions per iteration (the same bytes in flight).
+    # A float8 cache: the same shapes with twice the positions per iteration (the same bytes in flight), and
+    # deeper pipelines of them.
     _DECODE_FP8_CONFIGS = [
-        triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
-        for n, warps, stages in ((128, 4, 3), (64, 2, 3), (64, 4, 4), (128, 4, 2), (128, 8, 3), (256, 4, 2),
-                                 (256, 8, 2), (256, 8, 3), (512, 8, 2))
+        triton.Config({"BLOCK_N": n, "GROUP_MAJOR": major}, num_warps=warps, num_stages=stages)
+        for n, warps, stages, major in ((128, 4, 3, False), (64, 2, 3, False), (64, 4, 4, False),
+                                        (128, 4, 2, False), (128, 8, 3, False), (256, 4, 2, False),
+                                        (256, 8, 2, False), (256, 8, 3, False), (512, 8, 2, False),
+                                        (256, 4, 3, False), (128, 4, 4, False), (128, 4, 3, True),
+                                        (256, 4, 2, True), (256, 8, 2, True), (256, 4, 3, True))
     ]
     _CHUNK_CONFIGS = [
         triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..llm.model import Decoder
 from ..llm.paged_attention import Chunk, PagedBatch, PagedKVCache
-from ..llm.paged_triton import CHUNK_TILE
+from ..llm.paged_triton import CHUNK_TILE, split_count
 from ..llm.sampling import PARENT, POSITION, TOKEN, TokenChooser, host_to_device
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -49,8 +49,7 @@ def decode_splits(rows: int, heads: int, device: torch.device) -> int:
     heads; a chunk: query tiles and heads): enough programs for two per SM."""
     if device.type != "cuda":
         return 1
-    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(MAX_SPLITS, -(-programs // (rows * heads))))
+    return split_count(rows * heads, 2 * torch.cuda.get_device_properties(device).multi_processor_count, MAX_SPLITS)
 
 
 def capture(fn: Callable[[], Any], pool: tuple) -> tuple[torch.cuda.CUDAGraph, Any]:

@@ -19,6 +19,7 @@ import torch
 
 from ..engine import Engine
 from ..llm.generate import SamplingParams
+from ..llm.sampling import host_to_device
 from ..models import PromptLayout
 from .feature_cache import FeatureCache, media_key
 from .kv_cache import KVCacheOptions
@@ -231,11 +232,13 @@ class Pipeline:
                 for i in sorted(media_items)}
 
     def _embed(self, layout: PromptLayout) -> torch.Tensor:
+        """The prompt's embeddings on the decoder's device, queued without waiting for the device (the encoder's
+        work may still be running: the prefill queues behind it)."""
         decoder = self.engine.decoder
         parts = []
         for piece in layout.pieces:
             if isinstance(piece, list):
-                parts.append(decoder.embed(torch.tensor(piece, dtype=torch.long, device=decoder.device)))
+                parts.append(decoder.embed(host_to_device(piece, torch.long, decoder.device)))
             else:
                 parts.append(piece.to(device=decoder.device, dtype=decoder.dtype))
         return torch.cat(parts)

@@ -70,6 +70,8 @@ class Handle:
     release_adapter: Callable[[], None] | None = None  # gives the LoRA slot back when the request ends
     submitted_at: float = field(default_factory=time.monotonic)  # time.monotonic() of each milestone
     admitted_at: float | None = None  # given its rows and blocks
+    prefill_started_at: float | None = None  # the host began launching the step with its prompt's first chunk
+    prefill_launched_at: float | None = None  # the host finished launching the step with its prompt's last chunk
     prompt_queued_at: float | None = None  # its prompt's last chunk and first token choice queued on the device
     first_token_at: float | None = None
     finished_at: float | None = None
@@ -456,6 +458,7 @@ class Scheduler:
             beam_rows = self._beam_rows_tensor(rows_of_beams) if rows_of_beams else None
             beams_from = min((len(request.handle.prompt) for request in searches), default=0)
         lora = any(request.handle.adapter for request in decoding) or any(piece.adapter for _, piece in pieces)
+        started = time.monotonic()
         decode, piece_logits = self.forward.launch(rows, furthest, [piece for _, piece in pieces], full=full,
                                                    beam_rows=beam_rows, beams_from=beams_from, lora=lora)
         if decode is not None:
@@ -464,7 +467,11 @@ class Scheduler:
             for request in decoding:
                 request.position += 1
             self._inflight.append(_Launched(self._count_launch(), decode, decoding, True, self._iteration))
+        launched_at = time.monotonic()
         for index, (request, piece) in enumerate(pieces):
+            handle = request.handle
+            handle.prefill_started_at = handle.prefill_started_at or started
+            handle.prefill_launched_at = launched_at
             self._prefilled(request, len(piece.embeds))
             if request.prefilled == len(request.handle.prompt):
                 self._start_decoding(request, piece_logits[index])
