@@ -49,11 +49,14 @@ except ImportError:  # no Triton (CPU-only installs): the reference everywhere
 
 DECODE_ROWS = 8  # up to this many rows the fused kernel accumulates with FMAs; more use tensor cores
 SPLIT_ROWS = 64  # above this many rows the output tiles alone fill the GPU: no split-K candidate
-# int4 weight -> (its copy in tinygemm's tiled layout, its scales and offsets), made when that candidate first runs
-# (by identity: a tensor's == is elementwise)
-_TINYGEMM = WeakIdKeyDictionary()
-# the int4 weights some product chose tinygemm for (-> True): their copies stay (a captured graph may read them)
-_TINYGEMM_CHOSEN = WeakIdKeyDictionary()
+# candidate -> the copy of an int4 weight in its own layout that it reads ("tinygemm": torch's tiled layout and its
+# scales and offsets, "packed": `pack_int4_words`); the candidates that read each copy
+_COPY_READERS = {"tinygemm": ("tinygemm",), "packed": ("packed", "packed_split")}
+# copy name -> {int4 weight -> its copy}, made when a reader first runs (by identity: a tensor's == is elementwise)
+_COPIES = {name: WeakIdKeyDictionary() for name in _COPY_READERS}
+# copy name -> the int4 weights some product chose a reader of that copy for (-> True): those copies stay (a captured
+# graph may read them)
+_COPIES_KEPT = {name: WeakIdKeyDictionary() for name in _COPY_READERS}
 
 
 def quantized_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None = None,
@@ -68,7 +71,7 @@ def quantized_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tens
     found = candidates(flat, layout, weight, scale, zero, input_scale, bias, capability)
     key = (layout.method, layout.out_features, layout.in_features, layout.group, x.dtype, _row_bucket(flat.shape[0]))
     out = fastest(key, found, "dequant")
-    _settle_tinygemm_copy(weight, key)
+    _settle_copies(weight, key)
     return out.view(*x.shape[:-1], layout.out_features)
 
 
@@ -87,6 +90,9 @@ def candidates(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, ze
         if 1 < rows <= DECODE_ROWS:  # a few rows: the tensor-core tiles too (rows padded to 16)
             found["fused_mma"] = functools.partial(fused_linear, x, layout, *tensors, dot=True)
             found["split_mma"] = functools.partial(fused_linear, x, layout, *tensors, split=True, dot=True)
+    if layout.int4 and rows <= SPLIT_ROWS:  # tensor-core tiles of a repacked copy (rows padded to 16)
+        found["packed"] = functools.partial(packed_linear, x, layout, *tensors)
+        found["packed_split"] = functools.partial(packed_linear, x, layout, *tensors, split=True)
     if capability >= (8, 0) and _tinygemm_fits(layout, x):
         found["tinygemm"] = functools.partial(_tinygemm_linear, x, layout, *tensors)
     if (layout.method == "fp8" and fp8_gpu and x.dtype == torch.bfloat16
@@ -132,6 +138,48 @@ def fused_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, 
         kernel = _TUNED_KERNELS[dot, split]
     else:
         kernel, arguments = _qlinear_kernel, arguments | config
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]),  # noqa: E731
+                         meta["SPLIT_K"])
+    kernel[grid](*tensors, *sizes, **arguments)
+    return out.to(x.dtype) if split else out
+
+
+def pack_int4_words(layout: QuantLayout, weight: Tensor) -> Tensor:
+    """The stored int4 bytes `[N, Kp / 2]` as int32 words in the layout `packed_linear` reads: K cut into chunks of
+    8 groups (zero-padded to whole chunks), chunk c's word j holding column `8Gc + Gi + j` in nibble i, so that
+    one shift-and-mask of a chunk's words gives the whole of its group i: `[N, chunks * G]` int32."""
+    n, group = layout.out_features, layout.group
+    chunk = 8 * group
+    q = torch.stack([weight & 15, weight >> 4], dim=-1).view(n, layout.padded_in_features)
+    width = -(-q.shape[1] // chunk) * chunk
+    q = torch.cat([q, q.new_zeros(n, width - q.shape[1])], dim=1).view(n, width // chunk, 8, group).transpose(2, 3)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous().view(torch.int32).view(n, width // 8)
+
+
+def packed_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor,
+                  input_scale: Tensor | None = None, bias: Tensor | None = None,
+                  config: dict[str, int] | None = None, split: bool = False) -> Tensor:
+    """int4 `x [M, K]` (contiguous) times the weight on tensor cores, reading its `pack_int4_words` copy (made at
+    the first call, kept as `_settle_copies` says): each word tile's 8 shifts are 8 group-wide tiles of the
+    weight, each dequantized and multiplied by the matching `[M, G]` slice of x. `split`: K split over several
+    programs per output tile. `config` (BLOCK_M, BLOCK_N, BLOCK_K a multiple of 8 groups, SPLIT_K when split)
+    runs one tile shape instead of the autotuned choice (for tests, also under `TRITON_INTERPRET=1`)."""
+    rows, n, k = x.shape[0], layout.out_features, layout.in_features
+    words = _copy_of("packed", weight, lambda: pack_int4_words(layout, weight))
+    split = split or (config or {}).get("SPLIT_K", 1) > 1
+    out = (torch.zeros(rows, n, dtype=torch.float32, device=x.device) if split
+           else torch.empty(rows, n, dtype=x.dtype, device=x.device))
+    arguments = dict(G=layout.group, HAS_INPUT_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
+                     PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    if not split:
+        arguments["SPLIT_K"] = 1
+    tensors = (x, words, scale, zero, scale if input_scale is None else input_scale,
+               scale if bias is None else bias, out)
+    sizes = (rows, n, k, words.shape[1], layout.groups, _row_bucket(rows))
+    if config is None:
+        kernel = _TUNED_PACKED[split]
+    else:
+        kernel, arguments = _packed_kernel, arguments | config
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]),  # noqa: E731
                          meta["SPLIT_K"])
     kernel[grid](*tensors, *sizes, **arguments)
@@ -184,24 +232,32 @@ def _tinygemm_fits(layout: QuantLayout, x: Tensor) -> bool:
             and layout.out_features % 8 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm"))
 
 
-def _settle_tinygemm_copy(weight: Tensor, key: tuple) -> None:
-    """After the product `key` of `weight`: a tinygemm copy that was made for timing is kept for good if `key`
-    chose tinygemm, else dropped (unless another product of the weight chose it)."""
-    if weight in _TINYGEMM and weight not in _TINYGEMM_CHOSEN:
-        if chosen(key) == "tinygemm":
-            _TINYGEMM_CHOSEN[weight] = True
-        else:
-            del _TINYGEMM[weight]
+def _settle_copies(weight: Tensor, key: tuple) -> None:
+    """After the product `key` of `weight`: a copy of it that was made for timing (tinygemm's, the packed
+    kernel's) is kept for good if `key` chose a candidate that reads it, else dropped (unless another product of
+    the weight chose one)."""
+    for name, readers in _COPY_READERS.items():
+        if weight in _COPIES[name] and weight not in _COPIES_KEPT[name]:
+            if chosen(key) in readers:
+                _COPIES_KEPT[name][weight] = True
+            else:
+                del _COPIES[name][weight]
+
+
+def _copy_of(name: str, weight: Tensor, make) -> object:
+    """The copy `name` of `weight`, made by `make()` the first time."""
+    copy = _COPIES[name].get(weight)
+    if copy is None:
+        copy = _COPIES[name][weight] = make()
+    return copy
 
 
 def _tinygemm_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor,
                      input_scale: Tensor | None, bias: Tensor | None) -> Tensor:
-    packed = _TINYGEMM.get(weight)
-    if packed is None:
-        inner_k_tiles = next(tiles for tiles in (8, 4, 2) if layout.in_features % (tiles * 16) == 0)
-        packed = _TINYGEMM[weight] = (
-            torch.ops.aten._convert_weight_to_int4pack(tinygemm_nibbles(weight).contiguous(), inner_k_tiles),
-            tinygemm_scales_and_zeros(scale, zero))
+    inner_k_tiles = next(tiles for tiles in (8, 4, 2) if layout.in_features % (tiles * 16) == 0)
+    packed = _copy_of("tinygemm", weight, lambda: (
+        torch.ops.aten._convert_weight_to_int4pack(tinygemm_nibbles(weight).contiguous(), inner_k_tiles),
+        tinygemm_scales_and_zeros(scale, zero)))
     if input_scale is not None:
         x = x * input_scale
     out = torch.ops.aten._weight_int4pack_mm(x, packed[0], layout.group, packed[1])
@@ -342,6 +398,13 @@ if triton is not None:
             y = tl.sum(acc, axis=2)
         if not INT4:
             y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        _store_tile(y, b_ptr, y_ptr, rows, row_ok, tokens, token_ok, N, part, HAS_BIAS, SPLIT_K)
+
+    @triton.jit
+    def _store_tile(y, b_ptr, y_ptr, rows, row_ok, tokens, token_ok, N, part, HAS_BIAS: tl.constexpr,
+                    SPLIT_K: tl.constexpr):
+        """A program's float32 output tile `y [tokens, rows]`, plus the bias (the first K slice adds it), stored
+        in y's dtype, or with SPLIT_K > 1 added atomically into y (float32, zeroed)."""
         if HAS_BIAS:
             if part == 0:
                 y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
@@ -350,6 +413,46 @@ if triton is not None:
             tl.atomic_add(out, y, mask=token_ok[:, None] & row_ok[None, :], sem="relaxed")  # sums need no order
         else:
             tl.store(out, y.to(y_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
+
+    # the row count and the number of groups are not specialized on
+    @triton.jit(do_not_specialize=["M", "NG", "M_BUCKET"])
+    def _packed_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, WORDS, NG, M_BUCKET,
+                       G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
+        """y = x W^T (+ b) for a BLOCK_M x BLOCK_N tile over the program's slice of K, W int4 in the
+        `pack_int4_words` layout (WORDS words a row, chunks of 8 groups; BLOCK_K a multiple of a chunk).
+
+        Each chunk's `[BLOCK_N, G]` words are loaded once; shift i and a mask give group i of the chunk (a plain
+        tile in the words' own layout: no reordering), dequantized by one FMA with its rows' scale and scale x
+        zero, rounded to x's dtype and multiplied on tensor cores by x's columns of that group."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        part = tl.program_id(2)
+        row_ok = rows < N
+        token_ok = tokens < M
+        dtype = x_ptr.dtype.element_ty
+        CHUNKS: tl.constexpr = BLOCK_K // (8 * G)
+        chunks = WORDS // G
+        width = tl.cdiv(tl.cdiv(chunks, SPLIT_K), CHUNKS) * CHUNKS
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c0 in range(part * width, tl.minimum(part * width + width, chunks), CHUNKS):
+            for c in tl.static_range(CHUNKS):
+                chunk = c0 + c
+                words = chunk * G + tl.arange(0, G)
+                packed = tl.load(w_ptr + rows[:, None] * WORDS + words[None, :],
+                                 mask=row_ok[:, None] & (words < WORDS)[None, :], other=0,
+                                 eviction_policy="evict_first")
+                for i in tl.static_range(8):
+                    group = chunk * 8 + i
+                    cols = group * G + tl.arange(0, G)
+                    x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE)
+                    group_ok = row_ok & (rows * 0 + group < NG)  # a tensor: the interpreter masks no scalars
+                    s = tl.load(s_ptr + rows * NG + group, mask=group_ok, other=0.0).to(tl.float32)
+                    z = tl.load(z_ptr + rows * NG + group, mask=group_ok, other=0.0).to(tl.float32)
+                    w = _exact_float((packed >> (4 * i)) & 15, 0.0) * s[:, None] - (z * s)[:, None]
+                    acc = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
+        _store_tile(acc, b_ptr, y_ptr, rows, row_ok, tokens, token_ok, N, part, HAS_BIAS, SPLIT_K)
 
     @triton.jit
     def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, W_STRIDE, NG, INT4: tl.constexpr, G: tl.constexpr,
@@ -398,6 +501,13 @@ if triton is not None:
         kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, bucket)]
         return kept or configs[:1]
 
+    def _fits_packed(configs, named_args, **kwargs):
+        """Packed tiles no taller than the rows (as `_fits_rows`) whose BLOCK_K is whole chunks of 8 groups."""
+        group = named_args.get("G", kwargs.get("G", 128))
+        kept = [c for c in _fits_rows(configs, named_args, **kwargs) if c.kwargs["BLOCK_K"] % (8 * group) == 0]
+        return kept or [triton.Config(configs[0].kwargs | {"BLOCK_K": 8 * group}, num_warps=configs[0].num_warps,
+                                      num_stages=configs[0].num_stages)]
+
     def _tuned(name: str, tiles, fma: bool, split: bool):
         """`_qlinear_kernel` autotuned over `tiles` ((BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) for FMA tiles,
         with BLOCK_M first for tensor-core ones), registered as `name` with the kernel cache."""
@@ -416,12 +526,17 @@ if triton is not None:
 
     # (dot, split) -> the autotuned kernel; SPLIT_K is ignored (absent) in the unsplit spaces
     _TUNED_KERNELS = {
+        # the last rows of each: wider K tiles and more warps (more bytes in flight a program), for products with
+        # few output rows (int8/fp8's 4096 x 4096 and 4096 x 11008 at one row)
         (False, False): _tuned("quant_mv", (
             (2, 1024, 1, 4, 3), (4, 512, 1, 4, 3), (4, 1024, 1, 8, 4), (8, 256, 1, 4, 4), (8, 512, 1, 4, 3),
-            (16, 256, 1, 4, 3), (16, 512, 1, 8, 3), (32, 128, 1, 4, 4)), fma=True, split=False),
+            (16, 256, 1, 4, 3), (16, 512, 1, 8, 3), (32, 128, 1, 4, 4),
+            (2, 2048, 1, 8, 3), (4, 2048, 1, 8, 3), (8, 1024, 1, 8, 3), (4, 1024, 1, 4, 5)), fma=True, split=False),
         (False, True): _tuned("quant_mv_split", (
             (2, 1024, 4, 4, 3), (4, 512, 4, 4, 3), (4, 1024, 2, 4, 3), (8, 512, 2, 4, 3), (8, 512, 4, 4, 3),
-            (16, 256, 4, 4, 3), (16, 512, 4, 8, 3), (32, 128, 4, 4, 4)), fma=True, split=True),
+            (16, 256, 4, 4, 3), (16, 512, 4, 8, 3), (32, 128, 4, 4, 4),
+            (8, 1024, 2, 8, 3), (16, 1024, 2, 8, 3), (4, 2048, 2, 8, 3), (8, 512, 8, 4, 3), (16, 256, 8, 4, 4)),
+            fma=True, split=True),
         (True, False): _tuned("quant_mm", (
             (16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 32, 256, 1, 4, 3), (32, 64, 128, 1, 4, 4),
             (32, 128, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4),
@@ -430,4 +545,32 @@ if triton is not None:
             (16, 64, 128, 4, 4, 4), (16, 128, 128, 4, 4, 3), (16, 32, 256, 8, 4, 3), (32, 64, 128, 2, 4, 4),
             (32, 64, 128, 4, 4, 4), (32, 128, 128, 4, 4, 3),
             (64, 64, 128, 2, 4, 3)), fma=False, split=True),
+    }
+
+    def _tuned_packed(name: str, tiles, split: bool):
+        """`_packed_kernel` autotuned over `tiles` ((BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)),
+        registered as `name` with the kernel cache."""
+        configs = []
+        for block_m, block_n, block_k, split_k, warps, stages in tiles:
+            values = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+            if split:
+                values["SPLIT_K"] = split_k
+            configs.append(triton.Config(values, num_warps=warps, num_stages=stages))
+        return register_tuned(name, triton.autotune(
+            configs=configs, key=["N", "K", "G", "HAS_INPUT_SCALE", "M_BUCKET"],
+            prune_configs_by={"early_config_prune": _fits_packed}, reset_to_zero=["y_ptr"] if split else None,
+            do_bench=_bench)(_packed_kernel))
+
+    # split -> the autotuned packed kernel: 16 to 64 rows (1 row padded to 16) in 16- or 32-row tiles (64-row ones
+    # take Hopper's wgmma, whose shared buffers exceed 228 KB at a chunk of 1024 columns), whole chunks of K (a chunk
+    # is 1024 columns at LLaVA's group of 128, 256 at a group of 32), split K for products with few output tiles
+    _TUNED_PACKED = {
+        False: _tuned_packed("quant_packed", (
+            (16, 32, 1024, 1, 4, 3), (16, 64, 1024, 1, 4, 3), (16, 64, 1024, 1, 4, 2), (16, 128, 1024, 1, 8, 2),
+            (16, 64, 2048, 1, 4, 2), (32, 64, 1024, 1, 4, 3), (32, 128, 1024, 1, 8, 2), (16, 32, 256, 1, 4, 4),
+            (32, 64, 512, 1, 4, 3)), split=False),
+        True: _tuned_packed("quant_packed_split", (
+            (16, 32, 1024, 2, 4, 3), (16, 64, 1024, 2, 4, 3), (16, 64, 1024, 4, 4, 2), (16, 32, 1024, 4, 4, 3),
+            (16, 64, 1024, 8, 4, 2), (32, 64, 1024, 2, 4, 3), (32, 64, 1024, 4, 4, 2), (16, 32, 256, 4, 4, 4),
+            (32, 64, 512, 4, 4, 3)), split=True),
     }
