@@ -32,6 +32,7 @@ all of it can be captured in CUDA graphs.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -60,44 +61,58 @@ _COPIES_KEPT = {name: WeakIdKeyDictionary() for name in _COPY_READERS}
 
 
 def quantized_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None = None,
-                     input_scale: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-    """`x [..., K]` times the stored weight (the tensors `formats.quantize` made), plus `bias`: `[..., N]`."""
+                     input_scale: Tensor | None = None, bias: Tensor | None = None,
+                     gated_silu: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """`x [..., K]` times the stored weight (the tensors `formats.quantize` made), plus `bias`: `[..., N]`.
+    `gated_silu`: `x` is a gated MLP's `[gate; up]` (`[..., 2K]`), the input `silu(gate) * up`, which
+    `gated_silu(x)` computes for the candidates that do not compute it as they read x."""
     if triton is None or not x.is_cuda:
-        return reference_linear(x, layout, weight, scale, zero, input_scale, bias)
-    flat = x.reshape(-1, layout.in_features)
+        return reference_linear(x if gated_silu is None else gated_silu(x), layout, weight, scale, zero,
+                                input_scale, bias)
+    flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()
     capability = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    found = candidates(flat, layout, weight, scale, zero, input_scale, bias, capability)
-    key = (layout.method, layout.out_features, layout.in_features, layout.group, x.dtype, _row_bucket(flat.shape[0]))
+    found = candidates(flat, layout, weight, scale, zero, input_scale, bias, capability, gated_silu)
+    key = (layout.method, layout.out_features, layout.in_features, layout.group, x.dtype, _row_bucket(flat.shape[0]),
+           *(("gated",) if gated_silu is not None else ()))
     out = fastest(key, found, "dequant")
     _settle_copies(weight, key)
     return out.view(*x.shape[:-1], layout.out_features)
 
 
 def candidates(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None,
-               input_scale: Tensor | None, bias: Tensor | None, capability: tuple[int, int]) -> dict:
-    """The equivalent ways to compute the product of `x [M, K]` (contiguous, CUDA) on a GPU of `capability`, by
-    name: what `quantized_linear` times (and `bench/quant_kernel_probe.py`)."""
-    rows, fp8_gpu = x.shape[0], capability >= (8, 9)
+               input_scale: Tensor | None, bias: Tensor | None, capability: tuple[int, int],
+               gated_silu: Callable[[Tensor], Tensor] | None = None) -> dict:
+    """The equivalent ways to compute the product of `x [M, K]` (contiguous, CUDA; `[M, 2K]` with `gated_silu`,
+    as `quantized_linear` says) on a GPU of `capability`, by name: what `quantized_linear` times (and
+    `bench/quant_kernel_probe.py`)."""
+    rows, fp8_gpu, gated = x.shape[0], capability >= (8, 9), gated_silu is not None
     tensors = (weight, scale, zero, input_scale, bias)
     triton_reads_weight = layout.method != "fp8" or fp8_gpu  # Triton converts float8 e4m3 on sm_89+ only
-    found = {"dequant": functools.partial(_dequant_linear, x, layout, *tensors, on_device=triton_reads_weight)}
+
+    def activated(product, *args, **kwargs):  # a candidate that takes silu(gate) * up made by gated_silu
+        if not gated:
+            return functools.partial(product, x, *args, **kwargs)
+        return lambda: product(gated_silu(x), *args, **kwargs)
+
+    found = {"dequant": activated(_dequant_linear, layout, *tensors, on_device=triton_reads_weight)}
     if triton_reads_weight:
-        found["fused"] = functools.partial(fused_linear, x, layout, *tensors)
+        found["fused"] = functools.partial(fused_linear, x, layout, *tensors, gated=gated)
         if rows <= SPLIT_ROWS:
-            found["split"] = functools.partial(fused_linear, x, layout, *tensors, split=True)
+            found["split"] = functools.partial(fused_linear, x, layout, *tensors, split=True, gated=gated)
         if 1 < rows <= DECODE_ROWS:  # a few rows: the tensor-core tiles too (rows padded to 16)
-            found["fused_mma"] = functools.partial(fused_linear, x, layout, *tensors, dot=True)
-            found["split_mma"] = functools.partial(fused_linear, x, layout, *tensors, split=True, dot=True)
+            found["fused_mma"] = functools.partial(fused_linear, x, layout, *tensors, dot=True, gated=gated)
+            found["split_mma"] = functools.partial(fused_linear, x, layout, *tensors, split=True, dot=True,
+                                                   gated=gated)
     if layout.int4 and rows <= SPLIT_ROWS:  # tensor-core tiles of a repacked copy (rows padded to 16)
-        found["packed"] = functools.partial(packed_linear, x, layout, *tensors)
-        found["packed_split"] = functools.partial(packed_linear, x, layout, *tensors, split=True)
+        found["packed"] = functools.partial(packed_linear, x, layout, *tensors, gated=gated)
+        found["packed_split"] = functools.partial(packed_linear, x, layout, *tensors, split=True, gated=gated)
     if capability >= (8, 0) and _tinygemm_fits(layout, x):
-        found["tinygemm"] = functools.partial(_tinygemm_linear, x, layout, *tensors)
+        found["tinygemm"] = activated(_tinygemm_linear, layout, *tensors)
     if (layout.method == "fp8" and fp8_gpu and x.dtype == torch.bfloat16
             and layout.in_features % 16 == 0 and layout.out_features % 16 == 0):
-        found["scaled_mm"] = functools.partial(_fp8_scaled_mm, x, weight, scale, bias)
+        found["scaled_mm"] = activated(_fp8_scaled_mm, weight, scale, bias)
     return found
 
 
@@ -111,36 +126,43 @@ def reference_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tens
 
 def fused_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None = None,
                  input_scale: Tensor | None = None, bias: Tensor | None = None,
-                 config: dict[str, int] | None = None, split: bool = False, dot: bool | None = None) -> Tensor:
+                 config: dict[str, int] | None = None, split: bool = False, dot: bool | None = None,
+                 gated: bool = False) -> Tensor:
     """The fused Triton kernel on `x [M, K]` (contiguous); `split`: K split over several programs per output tile
-    (the `split` candidate); `dot`: tensor-core tiles (by default above 8 rows), else FMAs. `config` (BLOCK_N,
+    (the `split` candidate); `dot`: tensor-core tiles (by default above 8 rows), else FMAs; `gated`: x is a gated
+    MLP's `[gate; up]` (`[M, 2K]`) and the input silu(gate) * up, computed as x is read. `config` (BLOCK_N,
     BLOCK_K, BLOCK_M with `dot`, SPLIT_K when split) runs one tile shape instead of the autotuned choice: for
     tests, also under `TRITON_INTERPRET=1` on CPU."""
     rows, n, k = x.shape[0], layout.out_features, layout.in_features
     dot = rows > DECODE_ROWS if dot is None else dot
     split = split or (config or {}).get("SPLIT_K", 1) > 1
-    # split partial sums meet in float32 (atomic adds into zeros), cast once at the end
-    out = (torch.zeros(rows, n, dtype=torch.float32, device=x.device) if split
-           else torch.empty(rows, n, dtype=x.dtype, device=x.device))
     arguments = dict(
         INT4=layout.int4, G=layout.group or 1, HAS_INPUT_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
-        DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+        GATED=gated, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if not dot:
         arguments["BLOCK_M"] = triton.next_power_of_2(rows)
-    if not split:
-        arguments["SPLIT_K"] = 1
     weight = _weight_words(layout, weight)
     dummy = scale
     tensors = (x, weight, scale, dummy if zero is None else zero, dummy if input_scale is None else input_scale,
-               dummy if bias is None else bias, out)
+               dummy if bias is None else bias)
     sizes = (rows, n, k, weight.shape[1], layout.groups, _row_bucket(rows))
-    if config is None:
-        kernel = _TUNED_KERNELS[dot, split]
-    else:
-        kernel, arguments = _qlinear_kernel, arguments | config
+    return _launch(_TUNED_KERNELS[dot, split], _qlinear_kernel, x, n, tensors, sizes, arguments, config, split)
+
+
+def _launch(tuned, kernel, x: Tensor, n: int, tensors: tuple, sizes: tuple, arguments: dict,
+            config: dict[str, int] | None, split: bool) -> Tensor:
+    """Run the autotuned `tuned`, or `kernel` at the tile shape `config`, over `[M, n]` output tiles and K slices
+    (grid axes 0, 1, 2): the output in x's dtype (split: float32 partial sums added into zeros, then cast)."""
+    rows = x.shape[0]
+    out = (torch.zeros(rows, n, dtype=torch.float32, device=x.device) if split
+           else torch.empty(rows, n, dtype=x.dtype, device=x.device))
+    if not split:
+        arguments["SPLIT_K"] = 1
+    if config is not None:
+        tuned, arguments = kernel, arguments | config
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]),  # noqa: E731
                          meta["SPLIT_K"])
-    kernel[grid](*tensors, *sizes, **arguments)
+    tuned[grid](*tensors, out, *sizes, **arguments)
     return out.to(x.dtype) if split else out
 
 
@@ -158,32 +180,21 @@ def pack_int4_words(layout: QuantLayout, weight: Tensor) -> Tensor:
 
 def packed_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor,
                   input_scale: Tensor | None = None, bias: Tensor | None = None,
-                  config: dict[str, int] | None = None, split: bool = False) -> Tensor:
+                  config: dict[str, int] | None = None, split: bool = False, gated: bool = False) -> Tensor:
     """int4 `x [M, K]` (contiguous) times the weight on tensor cores, reading its `pack_int4_words` copy (made at
     the first call, kept as `_settle_copies` says): each word tile's 8 shifts are 8 group-wide tiles of the
     weight, each dequantized and multiplied by the matching `[M, G]` slice of x. `split`: K split over several
-    programs per output tile. `config` (BLOCK_M, BLOCK_N, BLOCK_K a multiple of 8 groups, SPLIT_K when split)
-    runs one tile shape instead of the autotuned choice (for tests, also under `TRITON_INTERPRET=1`)."""
+    programs per output tile; `gated`: as `fused_linear`'s. `config` (BLOCK_M, BLOCK_N, BLOCK_K a multiple of 8
+    groups, SPLIT_K when split) runs one tile shape instead of the autotuned choice (for tests, also under
+    `TRITON_INTERPRET=1`)."""
     rows, n, k = x.shape[0], layout.out_features, layout.in_features
     words = _copy_of("packed", weight, lambda: pack_int4_words(layout, weight))
     split = split or (config or {}).get("SPLIT_K", 1) > 1
-    out = (torch.zeros(rows, n, dtype=torch.float32, device=x.device) if split
-           else torch.empty(rows, n, dtype=x.dtype, device=x.device))
     arguments = dict(G=layout.group, HAS_INPUT_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
-                     PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    if not split:
-        arguments["SPLIT_K"] = 1
-    tensors = (x, words, scale, zero, scale if input_scale is None else input_scale,
-               scale if bias is None else bias, out)
+                     GATED=gated, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    tensors = (x, words, scale, zero, scale if input_scale is None else input_scale, scale if bias is None else bias)
     sizes = (rows, n, k, words.shape[1], layout.groups, _row_bucket(rows))
-    if config is None:
-        kernel = _TUNED_PACKED[split]
-    else:
-        kernel, arguments = _packed_kernel, arguments | config
-    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]),  # noqa: E731
-                         meta["SPLIT_K"])
-    kernel[grid](*tensors, *sizes, **arguments)
-    return out.to(x.dtype) if split else out
+    return _launch(_TUNED_PACKED[split], _packed_kernel, x, n, tensors, sizes, arguments, config, split)
 
 
 def dequantize_on_device(layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None,
@@ -298,6 +309,7 @@ def _row_bucket(rows: int) -> int:
 
 
 if triton is not None:
+    from ..gemv import silu_gated
 
     @triton.jit
     def _exact_float(v, OFFSET: tl.constexpr):
@@ -345,10 +357,15 @@ if triton is not None:
                 return w.to(tl.float32)
 
     @triton.jit
-    def _activations(x_ptr, xs_ptr, tokens, token_ok, cols, col_ok, K, HAS_INPUT_SCALE: tl.constexpr):
-        """x[tokens, cols] in float32, times AWQ's input scale of each column."""
-        x = tl.load(x_ptr + tokens[:, None] * K + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
-                    other=0.0).to(tl.float32)
+    def _activations(x_ptr, xs_ptr, tokens, token_ok, cols, col_ok, K, HAS_INPUT_SCALE: tl.constexpr,
+                     GATED: tl.constexpr):
+        """x[tokens, cols] in float32, times AWQ's input scale of each column. GATED: x is `[gate; up]` (`[M, 2K]`)
+        and the input silu(gate) * up."""
+        mask = token_ok[:, None] & col_ok[None, :]
+        if GATED:
+            x = silu_gated(x_ptr, tokens[:, None] * (2 * K) + cols[None, :], mask, K)
+        else:
+            x = tl.load(x_ptr + tokens[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_INPUT_SCALE:
             x = x * tl.load(xs_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         return x
@@ -357,7 +374,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M", "NG", "M_BUCKET"])
     def _qlinear_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, W_STRIDE, NG, M_BUCKET,
                         INT4: tl.constexpr, G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
         """y[m, n] = sum_k x[m, k] (* xs[k]) W[n, k] (+ b[n]) for a BLOCK_M x BLOCK_N tile, in float32, over the
         program's slice of K (axis 2 of the grid: SPLIT_K slices of whole BLOCK_K tiles).
@@ -366,11 +383,8 @@ if triton is not None:
         dtype as the reference's are; otherwise FMAs into a per-thread accumulator reduced once at the end (few
         rows: the weight read dominates). SPLIT_K > 1 adds the partial sum atomically into y (float32, zeroed; the
         first slice adds the bias), else stores it in y's dtype. M_BUCKET only keys the autotuning."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
         part = tl.program_id(2)
-        row_ok = rows < N
-        token_ok = tokens < M
         dtype = x_ptr.dtype.element_ty
         width = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         ONE_ROW: tl.constexpr = BLOCK_M == 1 and not DOT
@@ -382,7 +396,7 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(part * width, tl.minimum(part * width + width, K), BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE)
+            x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE, GATED)
             w = _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4, G, BLOCK_N, BLOCK_K)
             if DOT:
                 acc = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
@@ -399,6 +413,13 @@ if triton is not None:
         if not INT4:
             y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
         _store_tile(y, b_ptr, y_ptr, rows, row_ok, tokens, token_ok, N, part, HAS_BIAS, SPLIT_K)
+
+    @triton.jit
+    def _program_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's output tile (grid axes 0 and 1): its weight rows and tokens, and which of them exist."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        return rows, rows < N, tokens, tokens < M
 
     @triton.jit
     def _store_tile(y, b_ptr, y_ptr, rows, row_ok, tokens, token_ok, N, part, HAS_BIAS: tl.constexpr,
@@ -418,7 +439,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M", "NG", "M_BUCKET"])
     def _packed_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, WORDS, NG, M_BUCKET,
                        G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GATED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr):
         """y = x W^T (+ b) for a BLOCK_M x BLOCK_N tile over the program's slice of K, W int4 in the
         `pack_int4_words` layout (WORDS words a row, chunks of 8 groups; BLOCK_K a multiple of a chunk).
@@ -426,11 +447,8 @@ if triton is not None:
         Each chunk's `[BLOCK_N, G]` words are loaded once; shift i and a mask give group i of the chunk (a plain
         tile in the words' own layout: no reordering), dequantized by one FMA with its rows' scale and scale x
         zero, rounded to x's dtype and multiplied on tensor cores by x's columns of that group."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
         part = tl.program_id(2)
-        row_ok = rows < N
-        token_ok = tokens < M
         dtype = x_ptr.dtype.element_ty
         CHUNKS: tl.constexpr = BLOCK_K // (8 * G)
         chunks = WORDS // G
@@ -446,7 +464,7 @@ if triton is not None:
                 for i in tl.static_range(8):
                     group = chunk * 8 + i
                     cols = group * G + tl.arange(0, G)
-                    x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE)
+                    x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE, GATED)
                     group_ok = row_ok & (rows * 0 + group < NG)  # a tensor: the interpreter masks no scalars
                     s = tl.load(s_ptr + rows * NG + group, mask=group_ok, other=0.0).to(tl.float32)
                     z = tl.load(z_ptr + rows * NG + group, mask=group_ok, other=0.0).to(tl.float32)
@@ -520,7 +538,7 @@ if triton is not None:
                 values.pop("SPLIT_K", None)
             configs.append(triton.Config(values, num_warps=warps, num_stages=stages))
         return register_tuned(name, triton.autotune(
-            configs=configs, key=["N", "K", "G", "HAS_INPUT_SCALE", "BLOCK_M" if fma else "M_BUCKET"],
+            configs=configs, key=["N", "K", "G", "HAS_INPUT_SCALE", "GATED", "BLOCK_M" if fma else "M_BUCKET"],
             prune_configs_by={"early_config_prune": _fits_registers if fma else _fits_rows},
             reset_to_zero=["y_ptr"] if split else None, do_bench=_bench)(_qlinear_kernel))
 
@@ -557,20 +575,19 @@ if triton is not None:
                 values["SPLIT_K"] = split_k
             configs.append(triton.Config(values, num_warps=warps, num_stages=stages))
         return register_tuned(name, triton.autotune(
-            configs=configs, key=["N", "K", "G", "HAS_INPUT_SCALE", "M_BUCKET"],
+            configs=configs, key=["N", "K", "G", "HAS_INPUT_SCALE", "GATED", "M_BUCKET"],
             prune_configs_by={"early_config_prune": _fits_packed}, reset_to_zero=["y_ptr"] if split else None,
             do_bench=_bench)(_packed_kernel))
 
     # split -> the autotuned packed kernel: 16 to 64 rows (1 row padded to 16) in 16- or 32-row tiles (64-row ones
-    # take Hopper's wgmma, whose shared buffers exceed 228 KB at a chunk of 1024 columns), whole chunks of K (a chunk
-    # is 1024 columns at LLaVA's group of 128, 256 at a group of 32), split K for products with few output tiles
+    # take Hopper's wgmma, whose shared buffers exceed 228 KB at a chunk of 1024 columns; 32-row ones fit at 2
+    # stages with the gate's two loads), whole chunks of K (a chunk is 1024 columns at LLaVA's group of 128, 256 at
+    # a group of 32), split K for products with few output tiles; few shapes: each is compiled and timed per key
     _TUNED_PACKED = {
         False: _tuned_packed("quant_packed", (
-            (16, 32, 1024, 1, 4, 3), (16, 64, 1024, 1, 4, 3), (16, 64, 1024, 1, 4, 2), (16, 128, 1024, 1, 8, 2),
-            (16, 64, 2048, 1, 4, 2), (32, 64, 1024, 1, 4, 3), (32, 128, 1024, 1, 8, 2), (16, 32, 256, 1, 4, 4),
-            (32, 64, 512, 1, 4, 3)), split=False),
+            (16, 32, 1024, 1, 4, 3), (16, 64, 1024, 1, 4, 2), (16, 128, 1024, 1, 8, 2), (16, 64, 2048, 1, 4, 2),
+            (32, 64, 1024, 1, 4, 2), (16, 32, 256, 1, 4, 4), (32, 64, 512, 1, 4, 3)), split=False),
         True: _tuned_packed("quant_packed_split", (
-            (16, 32, 1024, 2, 4, 3), (16, 64, 1024, 2, 4, 3), (16, 64, 1024, 4, 4, 2), (16, 32, 1024, 4, 4, 3),
-            (16, 64, 1024, 8, 4, 2), (32, 64, 1024, 2, 4, 3), (32, 64, 1024, 4, 4, 2), (16, 32, 256, 4, 4, 4),
-            (32, 64, 512, 4, 4, 3)), split=True),
+            (16, 32, 1024, 2, 4, 3), (16, 64, 1024, 4, 4, 2), (16, 32, 1024, 4, 4, 3), (16, 64, 1024, 8, 4, 2),
+            (32, 64, 1024, 2, 4, 2), (32, 64, 1024, 4, 4, 2), (16, 32, 256, 4, 4, 4)), split=True),
     }
