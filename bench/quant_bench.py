@@ -73,19 +73,21 @@ def stored_gb(decoder: Decoder) -> float:
 
 def products_ms(decoder: Decoder) -> float:
     """A captured graph of a batch-1 decode step's matrix products alone (each layer's four modules and the
-    head, with the kernels they chose), replayed: the floor the weight bytes set through these kernels."""
+    head, with the kernels they chose; fc2 reads fc1's `[gate; up]` as in the step, so where its kernel does not
+    compute SwiGLU itself the activation kernel is in), replayed: the floor the weight bytes set through these
+    kernels."""
     from breakdown import _per_call_ms
 
     c = decoder.config
     hidden = torch.randn(1, c.hidden_size, device=decoder.device, dtype=decoder.dtype)
-    ffn = torch.randn(1, c.ffn_hidden_size, device=decoder.device, dtype=decoder.dtype)
+    gate_up = torch.randn(1, 2 * c.ffn_hidden_size, device=decoder.device, dtype=decoder.dtype)
 
     def products() -> None:
         for layer in decoder.decoder.layers:
             layer.self_attention.linear_qkv(hidden)
             layer.self_attention.linear_proj(hidden)
             layer.mlp.linear_fc1(hidden)
-            layer.mlp.linear_fc2(ffn)
+            layer.mlp.linear_fc2(gate_up, gated_silu=layer.mlp._activated)
         gemv.linear(hidden, decoder.output_layer.weight)
 
     products()  # times the candidates of each shape, outside the capture
@@ -185,7 +187,7 @@ def report(summary: dict) -> str:
             checks.append(f"TTFT {row['ttft_ms_ours']:.2f} < bf16 {base['ttft_ms_ours']:.2f} ms: "
                           f"{_verdict(row['ttft_ms_ours'] < base['ttft_ms_ours'])}")
         lines.append(f"  {method:9} " + "; ".join(checks))
-    lines.append("kernel choices (method N K group dtype rows -> kernel):")
+    lines.append("kernel choices (method N K group dtype rows [gated: fc2 computing SwiGLU] -> kernel):")
     lines.extend(f"  {key} -> {name}" for key, name in sorted(summary["kernel_choices"].items()))
     return "\n".join(lines)
 

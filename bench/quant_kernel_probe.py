@@ -3,7 +3,7 @@
 For each method (int8_wo, fp8, int4_wo, int4_awq), each weight shape (qkv 12288x4096, o 4096x4096, fc1
 22016x4096, fc2 4096x11008, lm_head 32000x4096) and rows in (1, 8, 32, 608): the milliseconds of bf16 cuBLAS
 (the baseline), of every candidate `exporter.llm.quant.kernels.quantized_linear` chooses among (`fused`, `split`,
-`dequant`, `tinygemm`, `scaled_mm`, those that apply), and of the fastest three tile shapes of each autotuned
+`fused_mma`, `split_mma`, `packed`, `packed_split`, `dequant`, `tinygemm`, `scaled_mm`, those that apply), and of the fastest three tile shapes of each autotuned
 kernel (from its own tuning run), each as ms, GB/s (stored weight bytes over the time) and the fraction of the
 copy bandwidth measured in the same run; each candidate's relative error against float32 dequantize-then-matmul
 too. Timings replay a CUDA graph of the product (launch overhead left out, as in the engine's captured decode
@@ -43,22 +43,28 @@ ROWS = (1, 8, 32, 608)
 TINY_SHAPES = {"qkv": (96, 64), "fc2": (40, 100)}
 TINY_ROWS = (1, 9)
 TOP_CONFIGS = 3
-# candidate -> rows -> (dot, split): which autotuned kernel it runs
-TUNED = {"fused": lambda rows: (rows > kernels.DECODE_ROWS, False),
-         "split": lambda rows: (rows > kernels.DECODE_ROWS, True),
-         "fused_mma": lambda rows: (True, False), "split_mma": lambda rows: (True, True)}
+# candidate -> rows -> the autotuned kernel it runs
+TUNED = {"fused": lambda rows: kernels._TUNED_KERNELS[rows > kernels.DECODE_ROWS, False],
+         "split": lambda rows: kernels._TUNED_KERNELS[rows > kernels.DECODE_ROWS, True],
+         "fused_mma": lambda rows: kernels._TUNED_KERNELS[True, False],
+         "split_mma": lambda rows: kernels._TUNED_KERNELS[True, True],
+         "packed": lambda rows: kernels._TUNED_PACKED[False], "packed_split": lambda rows: kernels._TUNED_PACKED[True]}
 
 
 def candidates(x, layout, tensors) -> dict:
     """The products `quantized_linear` chooses among for this input, by name. Under the interpreter (which cannot
-    autotune: it times nothing) the reference and the fused kernel whole-K and split, at their spaces' first tile
-    shape."""
+    autotune: it times nothing) the reference and the fused kernel whole-K and split, and for int4 the packed
+    kernel whole-K and split, at their spaces' first tile shape."""
     if x.is_cuda:
         return kernels.candidates(x, layout, *tensors, None, torch.cuda.get_device_capability(x.device))
     found = {"dequant": functools.partial(kernels.reference_linear, x, layout, *tensors)}
     for name, split in (("fused", False), ("split", True)):
         config = dict(kernels._TUNED_KERNELS[x.shape[0] > kernels.DECODE_ROWS, split].configs[0].kwargs)
         found[name] = functools.partial(kernels.fused_linear, x, layout, *tensors, config=config, split=split)
+    if layout.int4:
+        for name, split in (("packed", False), ("packed_split", True)):
+            config = dict(kernels._TUNED_PACKED[split].configs[0].kwargs)
+            found[name] = functools.partial(kernels.packed_linear, x, layout, *tensors, config=config, split=split)
     return found
 
 
@@ -77,11 +83,8 @@ def timed_ms(run, device: torch.device) -> float:
         return kernels.triton.testing.do_bench(run, warmup=5, rep=20)
 
 
-def tuned_configs(dot: bool, split: bool) -> list[dict]:
+def tuned_configs(kernel) -> list[dict]:
     """The fastest tile shapes of the autotuned kernel's most recent tuning run (its timings of each config)."""
-    if kernels.triton is None:
-        return []
-    kernel = kernels._TUNED_KERNELS[dot, split]
     timings = getattr(kernel, "configs_timings", None) or {}
     ranked = sorted(timings.items(), key=lambda item: _first(item[1]))[:TOP_CONFIGS]
     return [{"config": {**config.kwargs, "warps": config.num_warps, "stages": config.num_stages},
@@ -116,7 +119,7 @@ def probe_shape(method: str, name: str, n: int, k: int, rows_list, device, dtype
             entry = {"ms": ms, "GBps": weight_bytes / ms / 1e6, "copy_fraction": weight_bytes / ms / 1e6 / copy_gbps,
                      "relative_error": error}
             if candidate in TUNED:
-                entry["best_configs"] = tuned_configs(*TUNED[candidate](rows))
+                entry["best_configs"] = tuned_configs(TUNED[candidate](rows))
             row["candidates"][candidate] = entry
         best = min(row["candidates"], key=lambda c: row["candidates"][c]["ms"])
         row["best"], row["best_ms"] = best, row["candidates"][best]["ms"]

@@ -234,7 +234,7 @@ def test_tinygemm_repacking_stands_for_the_stored_weight(method):
     assert (theirs - ours).norm() / ours.norm() < 5e-3
 
 
-def test_a_tinygemm_copy_stays_only_where_a_product_chose_it():
+def test_a_repacked_copy_stays_only_where_a_product_chose_it():
     """The repacked copy made while timing is dropped when the product chose another candidate, and kept once one
     product of the weight chose tinygemm (a captured graph may read it), whatever later products choose."""
     from exporter.llm import gemv
@@ -244,14 +244,19 @@ def test_a_tinygemm_copy_stays_only_where_a_product_chose_it():
     keys = [("int4_wo", 4, 16, 32, torch.bfloat16, rows, "test") for rows in (1, 2, 4)]
     try:
         gemv._CHOICES.update({keys[0]: "fused", keys[1]: "tinygemm", keys[2]: "dequant"})
-        kernels._TINYGEMM[lost], kernels._TINYGEMM[won] = ("copy",), ("copy",)
-        kernels._settle_tinygemm_copy(lost, keys[0])
-        assert lost not in kernels._TINYGEMM
-        kernels._settle_tinygemm_copy(won, keys[1])
-        kernels._settle_tinygemm_copy(won, keys[2])
-        assert kernels._TINYGEMM[won] == ("copy",) and won in kernels._TINYGEMM_CHOSEN
+        kernels._COPIES["tinygemm"][lost], kernels._COPIES["tinygemm"][won] = ("copy",), ("copy",)
+        kernels._settle_copies(lost, keys[0])
+        assert lost not in kernels._COPIES["tinygemm"]
+        kernels._settle_copies(won, keys[1])
+        kernels._settle_copies(won, keys[2])
+        assert kernels._COPIES["tinygemm"][won] == ("copy",) and won in kernels._COPIES_KEPT["tinygemm"]
+        gemv._CHOICES[keys[0]] = "packed_split"  # the packed kernel's copy: kept for either of its readers
+        kernels._COPIES["packed"][lost] = ("words",)
+        kernels._settle_copies(lost, keys[0])
+        assert kernels._COPIES["packed"][lost] == ("words",) and lost in kernels._COPIES_KEPT["packed"]
     finally:
         for key in keys:
             gemv._CHOICES.pop(key, None)
-        kernels._TINYGEMM.pop(won, None)
-        kernels._TINYGEMM_CHOSEN.pop(won, None)
+        for name, weight in (("tinygemm", won), ("packed", lost)):
+            kernels._COPIES[name].pop(weight, None)
+            kernels._COPIES_KEPT[name].pop(weight, None)

@@ -1,6 +1,6 @@
 """On CUDA (skipped elsewhere): the quantized products' GPU candidates and the quantized decoder under CUDA graphs.
 
-Each candidate `kernels.quantized_linear` may pick (the fused kernel, dequantize + cuBLAS, and for FP8
+Each candidate `kernels.quantized_linear` may pick (the fused kernel, the packed int4 kernel, dequantize + cuBLAS, and for FP8
 `torch._scaled_mm`) against float32 dequantize-then-matmul on LLaVA-1.5-7B's layer shapes and unaligned ones, at
 decode and prefill row counts; a quantized decoder's float32 greedy tokens through the scheduler (captured decode
 steps) equal the CPU reference path's; its bfloat16 logits stay close to float32's.
@@ -64,6 +64,10 @@ def test_every_candidate_equals_dequantize_then_matmul(method):
                     outputs["fused_mma"] = kernels.fused_linear(x, layout, *tensors, config=mma, dot=True)
                     outputs["split_mma"] = kernels.fused_linear(x, layout, *tensors, config=mma | {"SPLIT_K": 2},
                                                                 dot=True)
+            if layout.int4 and rows <= kernels.SPLIT_ROWS:  # the packed tensor-core kernel, whole-K and split
+                packed = {"BLOCK_M": 16 if rows <= 16 else 32, "BLOCK_N": 64, "BLOCK_K": 8 * layout.group}
+                outputs["packed"] = kernels.packed_linear(x, layout, *tensors, config=packed)
+                outputs["packed_split"] = kernels.packed_linear(x, layout, *tensors, config=packed | {"SPLIT_K": 3})
             if kernels._tinygemm_fits(layout, x):
                 outputs["tinygemm"] = kernels._tinygemm_linear(x, layout, *tensors, None)
             if method == "fp8" and fp8_gpu and n % 16 == 0 and k % 16 == 0:

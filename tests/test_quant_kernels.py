@@ -123,6 +123,54 @@ def test_every_tile_shape_of_the_search_space_computes_the_same(kernels):
         assert relative_error(out, reference) < 1e-5, config
 
 
+def test_packed_words_hold_each_group_in_one_nibble(kernels):
+    """`pack_int4_words`: chunk c's word j holds column 8Gc + Gi + j in nibble i; the padding past K is zeros."""
+    layout, stored = _stored("int4_wo", 5, 300, torch.float16, seed=1)  # group 32 (K padded to 320), chunks of 256
+    q = torch.stack([stored["weight"] & 15, stored["weight"] >> 4], dim=-1).view(5, 320).int()
+    words = kernels.pack_int4_words(layout, stored["weight"])
+    assert words.dtype == torch.int32 and words.shape == (5, 512 // 8)
+    nibbles = torch.stack([(words >> (4 * i)) & 15 for i in range(8)], dim=-1)  # [5, words, i]
+    for c, i, j in ((0, 0, 0), (0, 7, 31), (1, 0, 5), (1, 1, 31), (0, 3, 17)):
+        column = 256 * c + 32 * i + j
+        assert nibbles[:, 32 * c + j, i].tolist() == (q[:, column] if column < 320 else torch.zeros(5)).tolist()
+    assert nibbles[:, 32:, 2:].eq(0).all()  # columns 320 and on
+
+
+@pytest.mark.parametrize("method", ["int4_wo", "int4_awq"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_packed_kernel_equals_dequantize_then_matmul(kernels, method, dtype):
+    """The packed int4 tensor-core kernel (1 row padded to 16, 3 and 40 rows, whole-K and split, groups of 128, 64
+    and 32, K not a multiple of a chunk or of the group) with a bias. bfloat16 is checked on the GPU
+    (tests/test_quant_gpu.py): the interpreter's tl.dot mishandles it."""
+    for n, k in LLAVA_SCALED[2:] + UNALIGNED[:2] + ((40, 1100),):
+        layout, stored = _stored(method, n, k, dtype, seed=n * k)
+        bias = torch.randn(n, dtype=dtype)
+        for rows, split in ((1, 1), (1, 3), (3, 2), (40, 1), (40, 4)):
+            x = torch.randn(rows, k, dtype=dtype, generator=torch.Generator().manual_seed(rows))
+            config = {"BLOCK_M": 16 if rows < 40 else 32, "BLOCK_N": 32, "BLOCK_K": 8 * layout.group,
+                      "SPLIT_K": split}
+            out = kernels.packed_linear(x, layout, *_tensors(stored), bias, config=config)
+            assert out.dtype == dtype and out.shape == (rows, n)
+            error = relative_error(out, _reference(x, layout, stored, bias))
+            assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"{n}x{k}, {rows} rows, {split}: {error:.2e}"
+
+
+def test_every_packed_tile_shape_of_the_search_space_computes_the_same(kernels):
+    """Each configuration the pruning keeps for a group of 32 (chunks of 256 columns: several a tile)."""
+    layout, stored = _stored("int4_wo", 65, 600, torch.float32, seed=7)
+    x = torch.randn(20, 600, dtype=torch.float32, generator=torch.Generator().manual_seed(4))
+    reference = _reference(x, layout, stored, None)
+    for split in (False, True):
+        configs = kernels._fits_packed(kernels._TUNED_PACKED[split].configs, {"G": layout.group}, M_BUCKET=32)
+        assert len(configs) > 5
+        for config in configs:
+            out = kernels.packed_linear(x, layout, *_tensors(stored), None, config=dict(config.kwargs))
+            assert relative_error(out, reference) < 1e-5, config
+    # a group of 128: only whole chunks of 1024 columns
+    assert all(config.kwargs["BLOCK_K"] % 1024 == 0
+               for config in kernels._fits_packed(kernels._TUNED_PACKED[True].configs, {"G": 128}, M_BUCKET=32))
+
+
 @pytest.mark.parametrize("shape", [(3, 4096), (2, 11008), (5, 100)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_fp8_row_quantization_equals_torch(kernels, shape):
     """The fused amax + scale kernel against the same steps in torch: equal scales and equal scaled values (taken
@@ -159,8 +207,9 @@ def test_kernel_compiles_for_hopper(case):
     pointers = {"x_ptr": "*bf16", "w_ptr": weight_type, "s_ptr": "*bf16", "z_ptr": "*bf16", "xs_ptr": "*bf16",
                 "b_ptr": "*bf16", "y_ptr": "*fp32" if split > 1 else "*bf16"}
     sizes = dict.fromkeys(("M", "N", "K", "W_STRIDE", "NG", "M_BUCKET"), "i32")
-    constants = {"INT4": int4, "G": 128 if int4 else 1, "HAS_INPUT_SCALE": int4, "HAS_BIAS": True, "DOT": dot,
-                 "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "SPLIT_K": split}
+    constants = {"INT4": int4, "G": 128 if int4 else 1, "HAS_INPUT_SCALE": int4, "HAS_BIAS": True,
+                 "GATED": split == 4, "DOT": dot, "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
+                 "BLOCK_K": block_k, "SPLIT_K": split}
     signature = pointers | sizes | dict.fromkeys(constants, "constexpr")
     aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name in ("N", "K", "W_STRIDE")]
     source = ASTSource(fn=kernels._qlinear_kernel, signature=signature, constexprs=constants,
@@ -170,3 +219,33 @@ def test_kernel_compiles_for_hopper(case):
     if int4 and (dot or block_m == 1):
         loop = compiled.asm["ttgir"].split("scf.for", 1)[1].split("scf.yield", 1)[0]
         assert "xi32" not in "".join(line for line in loop.splitlines() if "convert_layout" in line)
+
+
+@pytest.mark.parametrize("split, block_m, block_n", [(1, 16, 64), (4, 16, 64), (2, 32, 64)])
+def test_packed_kernel_compiles_for_hopper(split, block_m, block_n):
+    """The packed kernel compiled for sm_90 (the gate computed as x is read in one case): tensor-core products
+    within the shared memory, and no layout conversion of the weight inside the K loop (each shifted word tile is the dot operand as loaded; AWQ's input scale vector may be converted)."""
+    if TRITON_INTERPRETED:
+        pytest.skip("compiles in the parent run")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from exporter.llm.quant import kernels
+
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "xs_ptr": "*bf16",
+                "b_ptr": "*bf16", "y_ptr": "*fp32" if split > 1 else "*bf16"}
+    sizes = dict.fromkeys(("M", "N", "K", "WORDS", "NG", "M_BUCKET"), "i32")
+    constants = {"G": 128, "HAS_INPUT_SCALE": True, "HAS_BIAS": True, "GATED": split == 2, "PRECISION": "tf32",
+                 "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 1024, "SPLIT_K": split}
+    signature = pointers | sizes | dict.fromkeys(constants, "constexpr")
+    aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name in ("N", "K", "WORDS")]
+    source = ASTSource(fn=kernels._packed_kernel, signature=signature, constexprs=constants,
+                       attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
+    stages = 2 if block_m == 32 else 3  # 32 rows (and the gate's two loads) fill shared memory at 3 stages
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": stages})
+    assert "mma.sync" in compiled.asm["ptx"] and compiled.metadata.shared <= 228 * 1024
+    loop = compiled.asm["ttgir"].split("scf.for", 1)[1].split("scf.yield", 1)[0]
+    converted = [line for line in loop.splitlines() if "convert_layout" in line]
+    assert not [line for line in converted if "xi32" in line or f"{block_n}x128x" in line or f"128x{block_n}x" in line]

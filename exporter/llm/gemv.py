@@ -32,14 +32,27 @@ _KNOWN: dict[str, str] = {}
 TUNED: dict[str, object] = {}
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """`F.linear(x, weight, bias)`; a single row of `x` on CUDA goes to the faster of Triton's kernel and cuBLAS."""
-    if (triton is None or not x.is_cuda or x.numel() != x.shape[-1] or weight.dtype not in (torch.bfloat16,
-                                                                                             torch.float16)
-            or x.dtype != weight.dtype or not weight.is_contiguous()):
-        return F.linear(x, weight, bias)
-    return fastest((weight.shape[0], weight.shape[1], weight.dtype),
-                   {"cublas": lambda: F.linear(x, weight, bias), "triton": lambda: _gemv(x, weight, bias)}, "cublas")
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           gated_silu: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """`F.linear(x, weight, bias)`; a single row of `x` on CUDA goes to the faster of Triton's kernel and cuBLAS.
+
+    `gated_silu`: `x` is a gated MLP's `[gate; up]` (`[..., 2K]`) and the product's input is `silu(gate) * up`,
+    which `gated_silu(x)` computes; Triton's kernel computes it as it reads x (no kernel of its own)."""
+    if not _runs_gemv(x if gated_silu is None else x.narrow(-1, 0, x.shape[-1] // 2), weight):
+        return F.linear(x if gated_silu is None else gated_silu(x), weight, bias)
+    if gated_silu is None:
+        return fastest((weight.shape[0], weight.shape[1], weight.dtype), {
+            "cublas": lambda: F.linear(x, weight, bias), "triton": lambda: _gemv(x, weight, bias)}, "cublas")
+    return fastest((weight.shape[0], weight.shape[1], weight.dtype, "gated"), {
+        "cublas": lambda: F.linear(gated_silu(x), weight, bias), "triton": lambda: _gemv(x, weight, bias, True)},
+        "cublas")
+
+
+def _runs_gemv(x: Tensor, weight: Tensor) -> bool:
+    """Whether `linear` may take Triton's kernel for `x` (one row on CUDA, in the 16-bit dtype of `weight`)."""
+    return (triton is not None and x.is_cuda and x.numel() == x.shape[-1] and x.shape[-1] == weight.shape[1]
+            and weight.dtype in (torch.bfloat16, torch.float16) and x.dtype == weight.dtype
+            and weight.is_contiguous())
 
 
 def fastest(key: tuple, candidates: Mapping[str, Callable[[], Tensor]], default: str) -> Tensor:
@@ -93,21 +106,32 @@ def register_tuned(name: str, kernel):
     return kernel
 
 
-def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool = False) -> Tensor:
+    """Triton's kernel on one row `x` (`gated`: `[gate; up]`, twice as wide, silu(gate) * up the input)."""
     rows, depth = weight.shape
     out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
-    vector = x.reshape(depth).contiguous()
+    vector = x.reshape(-1).contiguous()
     _tuned_gemv_kernel[lambda meta: (triton.cdiv(rows, meta["BLOCK_N"]),)](
-        vector, weight, bias if bias is not None else weight, out, rows, depth, HAS_BIAS=bias is not None)
+        vector, weight, bias if bias is not None else weight, out, rows, depth, HAS_BIAS=bias is not None,
+        GATED=gated)
     return out
 
 
 if triton is not None:
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-        """y[n] = sum_k W[n, k] x[k] (+ b[n]) for BLOCK_N rows per program, accumulated in float32."""
+    def silu_gated(gate_ptr, offsets, mask, K):
+        """`silu(gate) * up` at `offsets` of a `[gate; up]` row (up K elements after gate), in float32, rounded to
+        the input's dtype as the separate activation kernel's output is."""
+        gate = tl.load(gate_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_ptr + offsets + K, mask=mask, other=0.0).to(tl.float32)
+        return (gate * tl.sigmoid(gate) * up).to(gate_ptr.dtype.element_ty).to(tl.float32)
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """y[n] = sum_k W[n, k] x[k] (+ b[n]) for BLOCK_N rows per program, accumulated in float32; GATED: x is
+        `[gate; up]` (2K long) and the input silu(gate) * up."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -116,8 +140,11 @@ if triton is not None:
             col_ok = cols < K
             w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
                         other=0.0, eviction_policy="evict_first")
-            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            if GATED:
+                x = silu_gated(x_ptr, cols, col_ok, K)
+            else:
+                x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -131,5 +158,5 @@ if triton is not None:
                 (16, 256, 4, 4), (16, 512, 4, 3), (16, 512, 8, 4), (32, 256, 4, 3), (32, 256, 8, 4),
             )
         ],
-        key=["N", "K"],
+        key=["N", "K", "GATED"],
     )(_gemv_kernel))

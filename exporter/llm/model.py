@@ -214,8 +214,10 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: Tensor, gated_silu: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """The product of `x`; `gated_silu`: of `silu(gate) * up` for `x` a gated MLP's `[gate; up]`
+        (`gemv.linear`)."""
+        return linear(x, self.weight, self.bias, gated_silu)
 
 
 def _project(module: Linear | QuantLinear, x: Tensor, adapters: Tensor | None) -> Tensor:
@@ -355,14 +357,21 @@ class MLP(nn.Module):
     def __init__(self, config: DecoderConfig, shard: Shard):
         super().__init__()
         self.activation = (config.activation, config.gated, config.gelu_approximation)
+        self.silu_gated = config.gated and config.activation == "swiglu"
         ffn = shard.part(config.ffn_hidden_size)
         self.linear_fc1 = _layer_linear(config, config.hidden_size, 2 * ffn if config.gated else ffn)
         self.linear_fc2 = _layer_linear(config, ffn, config.hidden_size)
 
     def forward(self, x: Tensor, adapters: Tensor | None = None) -> Tensor:
         h = _project(self.linear_fc1, x, adapters)
-        h = _activate(h.view(-1, h.shape[-1]), *self.activation)
-        return _project(self.linear_fc2, h.view(*x.shape[:-1], -1), adapters)
+        if self.silu_gated and h.is_cuda and (adapters is None or getattr(self.linear_fc2, "lora", None) is None):
+            # SwiGLU on CUDA: fc2's kernels that can compute silu(gate) * up as they read h do (one kernel less)
+            return self.linear_fc2(h, gated_silu=self._activated)
+        return _project(self.linear_fc2, self._activated(h), adapters)
+
+    def _activated(self, h: Tensor) -> Tensor:
+        """fc2's input from fc1's output `h [..., F or 2F]`: `act(h)`, or `act(gate) * up`."""
+        return _activate(h.view(-1, h.shape[-1]), *self.activation).view(*h.shape[:-1], -1)
 
 
 class Router(nn.Module):

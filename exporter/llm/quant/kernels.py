@@ -32,6 +32,7 @@ all of it can be captured in CUDA graphs.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -49,49 +50,69 @@ except ImportError:  # no Triton (CPU-only installs): the reference everywhere
 
 DECODE_ROWS = 8  # up to this many rows the fused kernel accumulates with FMAs; more use tensor cores
 SPLIT_ROWS = 64  # above this many rows the output tiles alone fill the GPU: no split-K candidate
-# int4 weight -> (its copy in tinygemm's tiled layout, its scales and offsets), made when that candidate first runs
-# (by identity: a tensor's == is elementwise)
-_TINYGEMM = WeakIdKeyDictionary()
-# the int4 weights some product chose tinygemm for (-> True): their copies stay (a captured graph may read them)
-_TINYGEMM_CHOSEN = WeakIdKeyDictionary()
+# candidate -> the copy of an int4 weight in its own layout that it reads ("tinygemm": torch's tiled layout and its
+# scales and offsets, "packed": `pack_int4_words`); the candidates that read each copy
+_COPY_READERS = {"tinygemm": ("tinygemm",), "packed": ("packed", "packed_split")}
+# copy name -> {int4 weight -> its copy}, made when a reader first runs (by identity: a tensor's == is elementwise)
+_COPIES = {name: WeakIdKeyDictionary() for name in _COPY_READERS}
+# copy name -> the int4 weights some product chose a reader of that copy for (-> True): those copies stay (a captured
+# graph may read them)
+_COPIES_KEPT = {name: WeakIdKeyDictionary() for name in _COPY_READERS}
 
 
 def quantized_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None = None,
-                     input_scale: Tensor | None = None, bias: Tensor | None = None) -> Tensor:
-    """`x [..., K]` times the stored weight (the tensors `formats.quantize` made), plus `bias`: `[..., N]`."""
+                     input_scale: Tensor | None = None, bias: Tensor | None = None,
+                     gated_silu: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """`x [..., K]` times the stored weight (the tensors `formats.quantize` made), plus `bias`: `[..., N]`.
+    `gated_silu`: `x` is a gated MLP's `[gate; up]` (`[..., 2K]`), the input `silu(gate) * up`, which
+    `gated_silu(x)` computes for the candidates that do not compute it as they read x."""
     if triton is None or not x.is_cuda:
-        return reference_linear(x, layout, weight, scale, zero, input_scale, bias)
-    flat = x.reshape(-1, layout.in_features)
+        return reference_linear(x if gated_silu is None else gated_silu(x), layout, weight, scale, zero,
+                                input_scale, bias)
+    flat = x.reshape(-1, x.shape[-1])
     if not flat.is_contiguous():
         flat = flat.contiguous()
     capability = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    found = candidates(flat, layout, weight, scale, zero, input_scale, bias, capability)
-    key = (layout.method, layout.out_features, layout.in_features, layout.group, x.dtype, _row_bucket(flat.shape[0]))
+    found = candidates(flat, layout, weight, scale, zero, input_scale, bias, capability, gated_silu)
+    key = (layout.method, layout.out_features, layout.in_features, layout.group, x.dtype, _row_bucket(flat.shape[0]),
+           *(("gated",) if gated_silu is not None else ()))
     out = fastest(key, found, "dequant")
-    _settle_tinygemm_copy(weight, key)
+    _settle_copies(weight, key)
     return out.view(*x.shape[:-1], layout.out_features)
 
 
 def candidates(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None,
-               input_scale: Tensor | None, bias: Tensor | None, capability: tuple[int, int]) -> dict:
-    """The equivalent ways to compute the product of `x [M, K]` (contiguous, CUDA) on a GPU of `capability`, by
-    name: what `quantized_linear` times (and `bench/quant_kernel_probe.py`)."""
-    rows, fp8_gpu = x.shape[0], capability >= (8, 9)
+               input_scale: Tensor | None, bias: Tensor | None, capability: tuple[int, int],
+               gated_silu: Callable[[Tensor], Tensor] | None = None) -> dict:
+    """The equivalent ways to compute the product of `x [M, K]` (contiguous, CUDA; `[M, 2K]` with `gated_silu`,
+    as `quantized_linear` says) on a GPU of `capability`, by name: what `quantized_linear` times (and
+    `bench/quant_kernel_probe.py`)."""
+    rows, fp8_gpu, gated = x.shape[0], capability >= (8, 9), gated_silu is not None
     tensors = (weight, scale, zero, input_scale, bias)
     triton_reads_weight = layout.method != "fp8" or fp8_gpu  # Triton converts float8 e4m3 on sm_89+ only
-    found = {"dequant": functools.partial(_dequant_linear, x, layout, *tensors, on_device=triton_reads_weight)}
+
+    def activated(product, *args, **kwargs):  # a candidate that takes silu(gate) * up made by gated_silu
+        if not gated:
+            return functools.partial(product, x, *args, **kwargs)
+        return lambda: product(gated_silu(x), *args, **kwargs)
+
+    found = {"dequant": activated(_dequant_linear, layout, *tensors, on_device=triton_reads_weight)}
     if triton_reads_weight:
-        found["fused"] = functools.partial(fused_linear, x, layout, *tensors)
+        found["fused"] = functools.partial(fused_linear, x, layout, *tensors, gated=gated)
         if rows <= SPLIT_ROWS:
-            found["split"] = functools.partial(fused_linear, x, layout, *tensors, split=True)
+            found["split"] = functools.partial(fused_linear, x, layout, *tensors, split=True, gated=gated)
         if 1 < rows <= DECODE_ROWS:  # a few rows: the tensor-core tiles too (rows padded to 16)
-            found["fused_mma"] = functools.partial(fused_linear, x, layout, *tensors, dot=True)
-            found["split_mma"] = functools.partial(fused_linear, x, layout, *tensors, split=True, dot=True)
+            found["fused_mma"] = functools.partial(fused_linear, x, layout, *tensors, dot=True, gated=gated)
+            found["split_mma"] = functools.partial(fused_linear, x, layout, *tensors, split=True, dot=True,
+                                                   gated=gated)
+    if layout.int4 and rows <= SPLIT_ROWS:  # tensor-core tiles of a repacked copy (rows padded to 16)
+        found["packed"] = functools.partial(packed_linear, x, layout, *tensors, gated=gated)
+        found["packed_split"] = functools.partial(packed_linear, x, layout, *tensors, split=True, gated=gated)
     if capability >= (8, 0) and _tinygemm_fits(layout, x):
-        found["tinygemm"] = functools.partial(_tinygemm_linear, x, layout, *tensors)
+        found["tinygemm"] = activated(_tinygemm_linear, layout, *tensors)
     if (layout.method == "fp8" and fp8_gpu and x.dtype == torch.bfloat16
             and layout.in_features % 16 == 0 and layout.out_features % 16 == 0):
-        found["scaled_mm"] = functools.partial(_fp8_scaled_mm, x, weight, scale, bias)
+        found["scaled_mm"] = activated(_fp8_scaled_mm, weight, scale, bias)
     return found
 
 
@@ -105,37 +126,75 @@ def reference_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tens
 
 def fused_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None = None,
                  input_scale: Tensor | None = None, bias: Tensor | None = None,
-                 config: dict[str, int] | None = None, split: bool = False, dot: bool | None = None) -> Tensor:
+                 config: dict[str, int] | None = None, split: bool = False, dot: bool | None = None,
+                 gated: bool = False) -> Tensor:
     """The fused Triton kernel on `x [M, K]` (contiguous); `split`: K split over several programs per output tile
-    (the `split` candidate); `dot`: tensor-core tiles (by default above 8 rows), else FMAs. `config` (BLOCK_N,
+    (the `split` candidate); `dot`: tensor-core tiles (by default above 8 rows), else FMAs; `gated`: x is a gated
+    MLP's `[gate; up]` (`[M, 2K]`) and the input silu(gate) * up, computed as x is read. `config` (BLOCK_N,
     BLOCK_K, BLOCK_M with `dot`, SPLIT_K when split) runs one tile shape instead of the autotuned choice: for
     tests, also under `TRITON_INTERPRET=1` on CPU."""
     rows, n, k = x.shape[0], layout.out_features, layout.in_features
     dot = rows > DECODE_ROWS if dot is None else dot
     split = split or (config or {}).get("SPLIT_K", 1) > 1
-    # split partial sums meet in float32 (atomic adds into zeros), cast once at the end
-    out = (torch.zeros(rows, n, dtype=torch.float32, device=x.device) if split
-           else torch.empty(rows, n, dtype=x.dtype, device=x.device))
     arguments = dict(
         INT4=layout.int4, G=layout.group or 1, HAS_INPUT_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
-        DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+        GATED=gated, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     if not dot:
         arguments["BLOCK_M"] = triton.next_power_of_2(rows)
-    if not split:
-        arguments["SPLIT_K"] = 1
     weight = _weight_words(layout, weight)
     dummy = scale
     tensors = (x, weight, scale, dummy if zero is None else zero, dummy if input_scale is None else input_scale,
-               dummy if bias is None else bias, out)
+               dummy if bias is None else bias)
     sizes = (rows, n, k, weight.shape[1], layout.groups, _row_bucket(rows))
-    if config is None:
-        kernel = _TUNED_KERNELS[dot, split]
-    else:
-        kernel, arguments = _qlinear_kernel, arguments | config
+    return _launch(_TUNED_KERNELS[dot, split], _qlinear_kernel, x, n, tensors, sizes, arguments, config, split)
+
+
+def _launch(tuned, kernel, x: Tensor, n: int, tensors: tuple, sizes: tuple, arguments: dict,
+            config: dict[str, int] | None, split: bool) -> Tensor:
+    """Run the autotuned `tuned`, or `kernel` at the tile shape `config`, over `[M, n]` output tiles and K slices
+    (grid axes 0, 1, 2): the output in x's dtype (split: float32 partial sums added into zeros, then cast)."""
+    rows = x.shape[0]
+    out = (torch.zeros(rows, n, dtype=torch.float32, device=x.device) if split
+           else torch.empty(rows, n, dtype=x.dtype, device=x.device))
+    if not split:
+        arguments["SPLIT_K"] = 1
+    if config is not None:
+        tuned, arguments = kernel, arguments | config
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]),  # noqa: E731
                          meta["SPLIT_K"])
-    kernel[grid](*tensors, *sizes, **arguments)
+    tuned[grid](*tensors, out, *sizes, **arguments)
     return out.to(x.dtype) if split else out
+
+
+def pack_int4_words(layout: QuantLayout, weight: Tensor) -> Tensor:
+    """The stored int4 bytes `[N, Kp / 2]` as int32 words in the layout `packed_linear` reads: K cut into chunks of
+    8 groups (zero-padded to whole chunks), chunk c's word j holding column `8Gc + Gi + j` in nibble i, so that
+    one shift-and-mask of a chunk's words gives the whole of its group i: `[N, chunks * G]` int32."""
+    n, group = layout.out_features, layout.group
+    chunk = 8 * group
+    q = torch.stack([weight & 15, weight >> 4], dim=-1).view(n, layout.padded_in_features)
+    width = -(-q.shape[1] // chunk) * chunk
+    q = torch.cat([q, q.new_zeros(n, width - q.shape[1])], dim=1).view(n, width // chunk, 8, group).transpose(2, 3)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous().view(torch.int32).view(n, width // 8)
+
+
+def packed_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor,
+                  input_scale: Tensor | None = None, bias: Tensor | None = None,
+                  config: dict[str, int] | None = None, split: bool = False, gated: bool = False) -> Tensor:
+    """int4 `x [M, K]` (contiguous) times the weight on tensor cores, reading its `pack_int4_words` copy (made at
+    the first call, kept as `_settle_copies` says): each word tile's 8 shifts are 8 group-wide tiles of the
+    weight, each dequantized and multiplied by the matching `[M, G]` slice of x. `split`: K split over several
+    programs per output tile; `gated`: as `fused_linear`'s. `config` (BLOCK_M, BLOCK_N, BLOCK_K a multiple of 8
+    groups, SPLIT_K when split) runs one tile shape instead of the autotuned choice (for tests, also under
+    `TRITON_INTERPRET=1`)."""
+    rows, n, k = x.shape[0], layout.out_features, layout.in_features
+    words = _copy_of("packed", weight, lambda: pack_int4_words(layout, weight))
+    split = split or (config or {}).get("SPLIT_K", 1) > 1
+    arguments = dict(G=layout.group, HAS_INPUT_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
+                     GATED=gated, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    tensors = (x, words, scale, zero, scale if input_scale is None else input_scale, scale if bias is None else bias)
+    sizes = (rows, n, k, words.shape[1], layout.groups, _row_bucket(rows))
+    return _launch(_TUNED_PACKED[split], _packed_kernel, x, n, tensors, sizes, arguments, config, split)
 
 
 def dequantize_on_device(layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None,
@@ -184,24 +243,32 @@ def _tinygemm_fits(layout: QuantLayout, x: Tensor) -> bool:
             and layout.out_features % 8 == 0 and hasattr(torch.ops.aten, "_weight_int4pack_mm"))
 
 
-def _settle_tinygemm_copy(weight: Tensor, key: tuple) -> None:
-    """After the product `key` of `weight`: a tinygemm copy that was made for timing is kept for good if `key`
-    chose tinygemm, else dropped (unless another product of the weight chose it)."""
-    if weight in _TINYGEMM and weight not in _TINYGEMM_CHOSEN:
-        if chosen(key) == "tinygemm":
-            _TINYGEMM_CHOSEN[weight] = True
-        else:
-            del _TINYGEMM[weight]
+def _settle_copies(weight: Tensor, key: tuple) -> None:
+    """After the product `key` of `weight`: a copy of it that was made for timing (tinygemm's, the packed
+    kernel's) is kept for good if `key` chose a candidate that reads it, else dropped (unless another product of
+    the weight chose one)."""
+    for name, readers in _COPY_READERS.items():
+        if weight in _COPIES[name] and weight not in _COPIES_KEPT[name]:
+            if chosen(key) in readers:
+                _COPIES_KEPT[name][weight] = True
+            else:
+                del _COPIES[name][weight]
+
+
+def _copy_of(name: str, weight: Tensor, make) -> object:
+    """The copy `name` of `weight`, made by `make()` the first time."""
+    copy = _COPIES[name].get(weight)
+    if copy is None:
+        copy = _COPIES[name][weight] = make()
+    return copy
 
 
 def _tinygemm_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor,
                      input_scale: Tensor | None, bias: Tensor | None) -> Tensor:
-    packed = _TINYGEMM.get(weight)
-    if packed is None:
-        inner_k_tiles = next(tiles for tiles in (8, 4, 2) if layout.in_features % (tiles * 16) == 0)
-        packed = _TINYGEMM[weight] = (
-            torch.ops.aten._convert_weight_to_int4pack(tinygemm_nibbles(weight).contiguous(), inner_k_tiles),
-            tinygemm_scales_and_zeros(scale, zero))
+    inner_k_tiles = next(tiles for tiles in (8, 4, 2) if layout.in_features % (tiles * 16) == 0)
+    packed = _copy_of("tinygemm", weight, lambda: (
+        torch.ops.aten._convert_weight_to_int4pack(tinygemm_nibbles(weight).contiguous(), inner_k_tiles),
+        tinygemm_scales_and_zeros(scale, zero)))
     if input_scale is not None:
         x = x * input_scale
     out = torch.ops.aten._weight_int4pack_mm(x, packed[0], layout.group, packed[1])
@@ -242,6 +309,7 @@ def _row_bucket(rows: int) -> int:
 
 
 if triton is not None:
+    from ..gemv import silu_gated
 
     @triton.jit
     def _exact_float(v, OFFSET: tl.constexpr):
@@ -289,10 +357,15 @@ if triton is not None:
                 return w.to(tl.float32)
 
     @triton.jit
-    def _activations(x_ptr, xs_ptr, tokens, token_ok, cols, col_ok, K, HAS_INPUT_SCALE: tl.constexpr):
-        """x[tokens, cols] in float32, times AWQ's input scale of each column."""
-        x = tl.load(x_ptr + tokens[:, None] * K + cols[None, :], mask=token_ok[:, None] & col_ok[None, :],
-                    other=0.0).to(tl.float32)
+    def _activations(x_ptr, xs_ptr, tokens, token_ok, cols, col_ok, K, HAS_INPUT_SCALE: tl.constexpr,
+                     GATED: tl.constexpr):
+        """x[tokens, cols] in float32, times AWQ's input scale of each column. GATED: x is `[gate; up]` (`[M, 2K]`)
+        and the input silu(gate) * up."""
+        mask = token_ok[:, None] & col_ok[None, :]
+        if GATED:
+            x = silu_gated(x_ptr, tokens[:, None] * (2 * K) + cols[None, :], mask, K)
+        else:
+            x = tl.load(x_ptr + tokens[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if HAS_INPUT_SCALE:
             x = x * tl.load(xs_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         return x
@@ -301,7 +374,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M", "NG", "M_BUCKET"])
     def _qlinear_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, W_STRIDE, NG, M_BUCKET,
                         INT4: tl.constexpr, G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
         """y[m, n] = sum_k x[m, k] (* xs[k]) W[n, k] (+ b[n]) for a BLOCK_M x BLOCK_N tile, in float32, over the
         program's slice of K (axis 2 of the grid: SPLIT_K slices of whole BLOCK_K tiles).
@@ -310,11 +383,8 @@ if triton is not None:
         dtype as the reference's are; otherwise FMAs into a per-thread accumulator reduced once at the end (few
         rows: the weight read dominates). SPLIT_K > 1 adds the partial sum atomically into y (float32, zeroed; the
         first slice adds the bias), else stores it in y's dtype. M_BUCKET only keys the autotuning."""
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
         part = tl.program_id(2)
-        row_ok = rows < N
-        token_ok = tokens < M
         dtype = x_ptr.dtype.element_ty
         width = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         ONE_ROW: tl.constexpr = BLOCK_M == 1 and not DOT
@@ -326,7 +396,7 @@ if triton is not None:
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(part * width, tl.minimum(part * width + width, K), BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE)
+            x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE, GATED)
             w = _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4, G, BLOCK_N, BLOCK_K)
             if DOT:
                 acc = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
@@ -342,6 +412,20 @@ if triton is not None:
             y = tl.sum(acc, axis=2)
         if not INT4:
             y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        _store_tile(y, b_ptr, y_ptr, rows, row_ok, tokens, token_ok, N, part, HAS_BIAS, SPLIT_K)
+
+    @triton.jit
+    def _program_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """This program's output tile (grid axes 0 and 1): its weight rows and tokens, and which of them exist."""
+        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        return rows, rows < N, tokens, tokens < M
+
+    @triton.jit
+    def _store_tile(y, b_ptr, y_ptr, rows, row_ok, tokens, token_ok, N, part, HAS_BIAS: tl.constexpr,
+                    SPLIT_K: tl.constexpr):
+        """A program's float32 output tile `y [tokens, rows]`, plus the bias (the first K slice adds it), stored
+        in y's dtype, or with SPLIT_K > 1 added atomically into y (float32, zeroed)."""
         if HAS_BIAS:
             if part == 0:
                 y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
@@ -350,6 +434,43 @@ if triton is not None:
             tl.atomic_add(out, y, mask=token_ok[:, None] & row_ok[None, :], sem="relaxed")  # sums need no order
         else:
             tl.store(out, y.to(y_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
+
+    # the row count and the number of groups are not specialized on
+    @triton.jit(do_not_specialize=["M", "NG", "M_BUCKET"])
+    def _packed_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, WORDS, NG, M_BUCKET,
+                       G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       GATED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SPLIT_K: tl.constexpr):
+        """y = x W^T (+ b) for a BLOCK_M x BLOCK_N tile over the program's slice of K, W int4 in the
+        `pack_int4_words` layout (WORDS words a row, chunks of 8 groups; BLOCK_K a multiple of a chunk).
+
+        Each chunk's `[BLOCK_N, G]` words are loaded once; shift i and a mask give group i of the chunk (a plain
+        tile in the words' own layout: no reordering), dequantized by one FMA with its rows' scale and scale x
+        zero, rounded to x's dtype and multiplied on tensor cores by x's columns of that group."""
+        rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
+        part = tl.program_id(2)
+        dtype = x_ptr.dtype.element_ty
+        CHUNKS: tl.constexpr = BLOCK_K // (8 * G)
+        chunks = WORDS // G
+        width = tl.cdiv(tl.cdiv(chunks, SPLIT_K), CHUNKS) * CHUNKS
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for c0 in range(part * width, tl.minimum(part * width + width, chunks), CHUNKS):
+            for c in tl.static_range(CHUNKS):
+                chunk = c0 + c
+                words = chunk * G + tl.arange(0, G)
+                packed = tl.load(w_ptr + rows[:, None] * WORDS + words[None, :],
+                                 mask=row_ok[:, None] & (words < WORDS)[None, :], other=0,
+                                 eviction_policy="evict_first")
+                for i in tl.static_range(8):
+                    group = chunk * 8 + i
+                    cols = group * G + tl.arange(0, G)
+                    x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE, GATED)
+                    group_ok = row_ok & (rows * 0 + group < NG)  # a tensor: the interpreter masks no scalars
+                    s = tl.load(s_ptr + rows * NG + group, mask=group_ok, other=0.0).to(tl.float32)
+                    z = tl.load(z_ptr + rows * NG + group, mask=group_ok, other=0.0).to(tl.float32)
+                    w = _exact_float((packed >> (4 * i)) & 15, 0.0) * s[:, None] - (z * s)[:, None]
+                    acc = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
+        _store_tile(acc, b_ptr, y_ptr, rows, row_ok, tokens, token_ok, N, part, HAS_BIAS, SPLIT_K)
 
     @triton.jit
     def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, W_STRIDE, NG, INT4: tl.constexpr, G: tl.constexpr,
@@ -398,6 +519,13 @@ if triton is not None:
         kept = [c for c in configs if c.kwargs["BLOCK_M"] <= max(16, bucket)]
         return kept or configs[:1]
 
+    def _fits_packed(configs, named_args, **kwargs):
+        """Packed tiles no taller than the rows (as `_fits_rows`) whose BLOCK_K is whole chunks of 8 groups."""
+        group = named_args.get("G", kwargs.get("G", 128))
+        kept = [c for c in _fits_rows(configs, named_args, **kwargs) if c.kwargs["BLOCK_K"] % (8 * group) == 0]
+        return kept or [triton.Config(configs[0].kwargs | {"BLOCK_K": 8 * group}, num_warps=configs[0].num_warps,
+                                      num_stages=configs[0].num_stages)]
+
     def _tuned(name: str, tiles, fma: bool, split: bool):
         """`_qlinear_kernel` autotuned over `tiles` ((BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) for FMA tiles,
         with BLOCK_M first for tensor-core ones), registered as `name` with the kernel cache."""
@@ -410,24 +538,58 @@ if triton is not None:
                 values.pop("SPLIT_K", None)
             configs.append(triton.Config(values, num_warps=warps, num_stages=stages))
         return register_tuned(name, triton.autotune(
-            configs=configs, key=["N", "K", "G", "HAS_INPUT_SCALE", "BLOCK_M" if fma else "M_BUCKET"],
+            configs=configs, key=["N", "K", "G", "HAS_INPUT_SCALE", "GATED", "BLOCK_M" if fma else "M_BUCKET"],
             prune_configs_by={"early_config_prune": _fits_registers if fma else _fits_rows},
             reset_to_zero=["y_ptr"] if split else None, do_bench=_bench)(_qlinear_kernel))
 
     # (dot, split) -> the autotuned kernel; SPLIT_K is ignored (absent) in the unsplit spaces
     _TUNED_KERNELS = {
+        # the last rows of each: wider K tiles and more warps (more bytes in flight a program), for products with
+        # few output rows (int8/fp8's 4096 x 4096 and 4096 x 11008 at one row)
         (False, False): _tuned("quant_mv", (
             (2, 1024, 1, 4, 3), (4, 512, 1, 4, 3), (4, 1024, 1, 8, 4), (8, 256, 1, 4, 4), (8, 512, 1, 4, 3),
-            (16, 256, 1, 4, 3), (16, 512, 1, 8, 3), (32, 128, 1, 4, 4)), fma=True, split=False),
+            (16, 256, 1, 4, 3), (16, 512, 1, 8, 3), (32, 128, 1, 4, 4),
+            (2, 2048, 1, 8, 3), (4, 2048, 1, 8, 3), (8, 1024, 1, 8, 3), (4, 1024, 1, 4, 5)), fma=True, split=False),
         (False, True): _tuned("quant_mv_split", (
             (2, 1024, 4, 4, 3), (4, 512, 4, 4, 3), (4, 1024, 2, 4, 3), (8, 512, 2, 4, 3), (8, 512, 4, 4, 3),
-            (16, 256, 4, 4, 3), (16, 512, 4, 8, 3), (32, 128, 4, 4, 4)), fma=True, split=True),
+            (16, 256, 4, 4, 3), (16, 512, 4, 8, 3), (32, 128, 4, 4, 4),
+            (8, 1024, 2, 8, 3), (16, 1024, 2, 8, 3), (4, 2048, 2, 8, 3), (8, 512, 8, 4, 3), (16, 256, 8, 4, 4)),
+            fma=True, split=True),
         (True, False): _tuned("quant_mm", (
             (16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 32, 256, 1, 4, 3), (32, 64, 128, 1, 4, 4),
             (32, 128, 128, 1, 4, 3), (64, 128, 64, 1, 4, 4),
-            (64, 128, 128, 1, 8, 3), (128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3)), fma=False, split=False),
+            (64, 128, 128, 1, 8, 3), (128, 128, 64, 1, 8, 3), (128, 256, 64, 1, 8, 3),
+            # wider K tiles for 16 to 32 rows (int8's 128-column tiles are 128 bytes a row)
+            (32, 64, 256, 1, 4, 3), (32, 128, 256, 1, 8, 3), (16, 64, 512, 1, 4, 3)), fma=False, split=False),
         (True, True): _tuned("quant_mm_split", (
             (16, 64, 128, 4, 4, 4), (16, 128, 128, 4, 4, 3), (16, 32, 256, 8, 4, 3), (32, 64, 128, 2, 4, 4),
             (32, 64, 128, 4, 4, 4), (32, 128, 128, 4, 4, 3),
-            (64, 64, 128, 2, 4, 3)), fma=False, split=True),
+            (64, 64, 128, 2, 4, 3), (32, 64, 256, 2, 4, 3), (16, 64, 512, 4, 4, 3)), fma=False, split=True),
+    }
+
+    def _tuned_packed(name: str, tiles, split: bool):
+        """`_packed_kernel` autotuned over `tiles` ((BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)),
+        registered as `name` with the kernel cache."""
+        configs = []
+        for block_m, block_n, block_k, split_k, warps, stages in tiles:
+            values = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+            if split:
+                values["SPLIT_K"] = split_k
+            configs.append(triton.Config(values, num_warps=warps, num_stages=stages))
+        return register_tuned(name, triton.autotune(
+            configs=configs, key=["N", "K", "G", "HAS_INPUT_SCALE", "GATED", "M_BUCKET"],
+            prune_configs_by={"early_config_prune": _fits_packed}, reset_to_zero=["y_ptr"] if split else None,
+            do_bench=_bench)(_packed_kernel))
+
+    # split -> the autotuned packed kernel: 16 to 64 rows (1 row padded to 16) in 16- or 32-row tiles (64-row ones
+    # take Hopper's wgmma, whose shared buffers exceed 228 KB at a chunk of 1024 columns; 32-row ones fit at 2
+    # stages with the gate's two loads), whole chunks of K (a chunk is 1024 columns at LLaVA's group of 128, 256 at
+    # a group of 32), split K for products with few output tiles; few shapes: each is compiled and timed per key
+    _TUNED_PACKED = {
+        False: _tuned_packed("quant_packed", (
+            (16, 32, 1024, 1, 4, 3), (16, 64, 1024, 1, 4, 2), (16, 128, 1024, 1, 8, 2), (16, 64, 2048, 1, 4, 2),
+            (32, 64, 1024, 1, 4, 2), (16, 32, 256, 1, 4, 4), (32, 64, 512, 1, 4, 3)), split=False),
+        True: _tuned_packed("quant_packed_split", (
+            (16, 32, 1024, 2, 4, 3), (16, 64, 1024, 4, 4, 2), (16, 32, 1024, 4, 4, 3), (16, 64, 1024, 8, 4, 2),
+            (32, 64, 1024, 2, 4, 2), (32, 64, 1024, 4, 4, 2), (16, 32, 256, 4, 4, 4)), split=True),
     }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -24,9 +26,11 @@ class QuantLinear(nn.Module):
             self.register_buffer(name, torch.empty(shape, dtype=dtype or torch.get_default_dtype()))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, gated_silu: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+        """The product of `x`; `gated_silu`: of `silu(gate) * up` for `x` a gated MLP's `[gate; up]`
+        (`quantized_linear`)."""
         return quantized_linear(x, self.layout, self.weight, self.weight_scale, self.weight_zero, self.input_scale,
-                                self.bias)
+                                self.bias, gated_silu)
 
     def extra_repr(self) -> str:
         layout = self.layout
