@@ -272,12 +272,16 @@ def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tens
     total = sum(t.numel() for t in shapes.values()) * dtype.itemsize if quantize is None else \
         sum(t.numel() * t.element_size() for t in shapes.values())
     with phase("write the LLM weights") as note, byte_progress("writing the LLM weights", total) as progress:
+        note["detail"] = f"{total / 1e9:.2f} GB"
         if isinstance(weights, TensorStream):
-            sha256 = stream_tensors(directory / "model.safetensors", weights.metas, weights.read(), dtype, progress)
+            waits: dict[str, float] = {}
+            sha256 = stream_tensors(directory / "model.safetensors", weights.metas, weights.read(), dtype, progress,
+                                    waits=waits)
+            note["detail"] += (f", read from the checkpoint as written: the writers waited "
+                               f"{waits.get('writers', 0.0):.2f} s for the reader, the reader "
+                               f"{waits.get('reader', 0.0):.2f} s for the writers")
         else:
             sha256 = write_tensors(directory / "model.safetensors", weights, None if quantize else dtype, progress)
-        note["detail"] = f"{total / 1e9:.2f} GB" + (", read from the checkpoint as written"
-                                                    if isinstance(weights, TensorStream) else "")
     return decoder_config, {LLM_WEIGHTS: sha256}
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,17 +48,20 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], dtype: torch.dty
 
 def stream_tensors(path: Path, metas: dict[str, torch.Tensor], source: Iterator[tuple[str, torch.Tensor]],
                    dtype: torch.dtype, progress: Callable[[int], None] | None = None, writers: int = WRITERS,
-                   ahead_bytes: int | None = None) -> str:
+                   ahead_bytes: int | None = None, waits: dict[str, float] | None = None) -> str:
     """Write the tensors `source` yields, in the order of `metas` (name -> a tensor of the shape, meta will do),
     cast to `dtype`, to the safetensors file `path` in that order; return the file's sha256.
 
     The header comes from `metas` before any data; `source` runs on a reader thread of its own, at most
     `ahead_bytes` (default READ_AHEAD_BYTES) ahead of the writers, so reading, casting and writing overlap and only
-    that much is held."""
+    that much is held. `waits` (if given) receives the seconds the writers waited for the reader (`writers`) and
+    the reader for the writers (`reader`): which side bounds the stream."""
     header, entries = plan(((name, dtype, tuple(meta.shape)) for name, meta in metas.items()), keep_order=True)
     if [e.name for e in entries] != list(metas):
         raise ValueError("streamed tensors must share one element size to keep their order")
-    return _write_file(path, header, entries, _read_ahead(source, READ_AHEAD_BYTES if ahead_bytes is None else ahead_bytes), progress, writers)
+    ahead = _read_ahead(source, READ_AHEAD_BYTES if ahead_bytes is None else ahead_bytes,
+                        {} if waits is None else waits)
+    return _write_file(path, header, entries, ahead, progress, writers)
 
 
 def _write_file(path: Path, header: bytes, entries: list[Entry], tensors: Iterator[tuple[str, torch.Tensor]],
@@ -99,9 +103,11 @@ def _write_file(path: Path, header: bytes, entries: list[Entry], tensors: Iterat
     return digest.hexdigest()
 
 
-def _read_ahead(source: Iterator[tuple[str, torch.Tensor]], limit: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_ahead(source: Iterator[tuple[str, torch.Tensor]], limit: int,
+                waits: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:
     """`source`'s items, produced on a thread of its own while the consumer works, at most `limit` bytes ahead
-    (one tensor at least); its errors are raised here; closing this generator stops the thread."""
+    (one tensor at least); its errors are raised here; closing this generator stops the thread. `waits` gets the
+    seconds each side waited for the other."""
     ready: deque = deque()
     state = threading.Condition()
     stop, held = False, 0
@@ -111,8 +117,10 @@ def _read_ahead(source: Iterator[tuple[str, torch.Tensor]], limit: int) -> Itera
         try:
             for item in source:
                 with state:
+                    started = time.perf_counter()
                     while held and held + _nbytes(item[1]) > limit and not stop:
                         state.wait()
+                    waits["reader"] = waits.get("reader", 0.0) + time.perf_counter() - started
                     if stop:
                         return
                     held += _nbytes(item[1])
@@ -134,8 +142,10 @@ def _read_ahead(source: Iterator[tuple[str, torch.Tensor]], limit: int) -> Itera
     try:
         while True:
             with state:
+                started = time.perf_counter()
                 while not ready:
                     state.wait()
+                waits["writers"] = waits.get("writers", 0.0) + time.perf_counter() - started
                 item = ready.popleft()
                 if isinstance(item, tuple):
                     held -= _nbytes(item[1])
