@@ -29,6 +29,6 @@ from .streaming import TensorStream
 
 __all__ = [
     "FC1_UP", "GATED_ACTIVATIONS", "LAYER_KEY", "LEGACY_LAYER_NAMES", "NEMO2_RENAMED_FIELDS",
-    "SEPARATE_UP_ACTIVATIONS", "TE_NORM_NAMES", "NemoCheckpoint", "TensorStream", "NemoCheckpointError", "canonical_name",
-    "holds_gate_and_up", "nemo2_to_nemo1_config", "swap_prefix", "tp_split_dim",
+    "SEPARATE_UP_ACTIVATIONS", "TE_NORM_NAMES", "NemoCheckpoint", "NemoCheckpointError", "TensorStream",
+    "canonical_name", "holds_gate_and_up", "nemo2_to_nemo1_config", "swap_prefix", "tp_split_dim",
 ]
