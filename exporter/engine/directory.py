@@ -123,8 +123,8 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
         config = checkpoint.config
         per_rank = tensor_parallel_size > 1 and llm_checkpoint_path is None and merged_lora is None and \
             checkpoint.tp_size == tensor_parallel_size
-        stream = _llm_stream(checkpoint) if llm_checkpoint_path is None and merged_lora is None and \
-            quantizer is None and tensor_parallel_size == 1 else None
+        streamable = merged_lora is None and quantizer is None and tensor_parallel_size == 1
+        stream = _llm_stream(checkpoint) if streamable and llm_checkpoint_path is None else None
         # read per rank: the rest now (the embedding merged: rank 0 holds it whole), the LLM's slices rank by rank;
         # streamed: the rest now, the LLM's tensors as they are written
         weights = checkpoint.state_dict(select=(lambda name: name == EMBEDDING or not _is_llm(name)) if per_rank
@@ -150,7 +150,8 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
             else:
                 with phase("read the LLM checkpoint"):
                     llm_checkpoint = NemoCheckpoint(llm_checkpoint_path, rename_keys=rename_keys)
-                    llm_weights = select_llm_weights(merge_lora(llm_checkpoint.state_dict(), llm_checkpoint.config))
+                    llm_weights = (_llm_stream(llm_checkpoint) if streamable else None) or \
+                        select_llm_weights(merge_lora(llm_checkpoint.state_dict(), llm_checkpoint.config))
             del weights
             if not _shapes(llm_weights):
                 raise EngineError(f"{llm_checkpoint.path} holds no LLM weights; give the LLM checkpoint as "
