@@ -54,15 +54,15 @@ class Archive:
 
     def span(self, name: str) -> tuple[Path, int, int] | None:
         """Where member `name`'s bytes lie: (file, offset, length), for a reader with a file handle of its own (one
-        thread's reads then never move another's position); None inside a compressed tar."""
+        thread's reads then never move another's position); None inside a compressed tar or for a sparse member."""
         if self._tar is None:
             target = self._folder_file(name)
             return target, 0, target.stat().st_size
         if name not in self._members:
             raise NemoCheckpointError(f"{self.path}: no member {name!r}")
-        if not isinstance(self._tar.fileobj, io.BufferedReader):
-            return None
         member = self._members[name]
+        if not isinstance(self._tar.fileobj, io.BufferedReader) or member.issparse():
+            return None
         return self.path, member.offset_data, member.size
 
     def read(self, name: str) -> bytes:

@@ -83,16 +83,19 @@ class LegacyReader:
         return targets
 
     def stream(self) -> TensorStream | None:
-        """The (selected) tensors of a `legacy` layout's single file as a `TensorStream` in stored order, read through
-        a file handle of their own; None where a canonical tensor is not one stored tensor as it is (TP shards, a
-        separate up projection, per-expert tensors), the file sits in a compressed tar, or torch gives no offsets."""
+        """The (selected) tensors of a `legacy` layout's single file as a `TensorStream` in stored order, read
+        through a file handle of their own; None where a canonical tensor is not one stored tensor as it is (TP
+        shards, a separate up projection, per-expert tensors), the file sits in a compressed tar, or a tensor cannot
+        be read by its offset alone (torch gives none, or it is stored non-contiguous): those would be loaded whole."""
         name = "model_weights.ckpt"
         if self._layout != "legacy" or (span := self._archive.span(name)) is None:
             return None
         stored = self._stored_tensors(name)
-        if any(FC1_UP in n or expert_slot(n) or stored_offset(meta) is None for n, (_, meta) in stored.items()):
+        if any(FC1_UP in n or expert_slot(n) or stored_offset(meta) is None or not meta.is_contiguous()
+               for n, (_, meta) in stored.items()):
             return None
-        order = sorted(stored.items(), key=lambda item: stored_offset(item[1][1]))
+        order = sorted(stored.items(), key=lambda item: stored_offset(item[1][1]) +
+                       item[1][1].storage_offset() * item[1][1].element_size())
 
         def read() -> Iterator[tuple[str, torch.Tensor]]:
             filled: list[tuple[str, torch.Tensor]] = []
