@@ -3,9 +3,9 @@
 Writing a dict is checked byte for byte against safetensors' own `save_file`; writing a stream (an export's LLM
 weights, in the checkpoint's order) by safetensors' own reader, the header's layout and the hash; loading against
 safetensors' `load_file` and the file's sha256; the CUDA path's read ring runs on the CPU with copies that land
-only when waited for, so a buffer reused too early shows as wrong bytes. The kernel cache is checked with fake timings and a fake GPU
-identity (no GPU here): a hit times nothing, and another identity, a corrupt file or stale entries fall back to
-timing and are rewritten. Peak memory is measured in a fresh process.
+only when waited for, so a buffer reused too early shows as wrong bytes. The kernel cache is checked with fake
+timings and a fake GPU identity (no GPU here): a hit times nothing, and another identity, a corrupt file or stale
+entries fall back to timing and are rewritten. Peak memory is measured in a fresh process.
 """
 
 from __future__ import annotations
