@@ -84,6 +84,27 @@ def test_legacy_separate_up_half_is_joined(tmp_path, tiny_gpt_config, tiny_gpt_w
     assert_same_tensors(NemoCheckpoint(path).state_dict(), weights)
 
 
+def test_a_tensor_stream_reads_the_state_dict_in_stored_order(tmp_path, tiny_gpt_config, tiny_gpt_weights):
+    """A plain legacy `.nemo` and its folder stream (metadata first, then each tensor in the file's order); a gzip
+    `.nemo`, TP shards and dist layouts do not (they are read whole)."""
+    weights = tiny_gpt_weights(tiny_gpt_config)
+    plain = write_nemo(tmp_path / "plain.nemo", tiny_gpt_config, weights)
+    with tarfile.open(plain) as tar:
+        tar.extractall(tmp_path / "folder", filter="data")
+    for path in (plain, tmp_path / "folder"):
+        with NemoCheckpoint(path) as checkpoint:
+            stream = checkpoint.tensor_stream()
+            names = list(stream.metas)
+            assert all(meta.is_meta for meta in stream.metas.values())
+            read = list(stream.read())
+            assert [name for name, _ in read] == names and sorted(names) == sorted(weights)
+            assert_same_tensors(dict(read), checkpoint.state_dict())
+    assert names != sorted(names)  # the file's order, not the names'
+    for name, options in (("gzip", {"compress": True}), ("tp", {"tp_size": 2}), ("dist", {"layout": "torch_dist"})):
+        with NemoCheckpoint(write_nemo(tmp_path / f"{name}.nemo", tiny_gpt_config, weights, **options)) as other:
+            assert other.tensor_stream() is None, name
+
+
 def test_extracted_folder(tmp_path, tiny_gpt_config, tiny_gpt_weights, tokenizer_file):
     weights = tiny_gpt_weights(tiny_gpt_config)
     for layout in ("legacy", "torch_dist", "nemo2"):

@@ -1,14 +1,16 @@
 """Cold start: engine weights streamed to and from disk, the kernel-choice cache, and the start-up phase lines.
 
-Writing is checked byte for byte against safetensors' own `save_file`; loading against safetensors' `load_file`
-and the file's sha256; the CUDA path's read ring runs on the CPU with copies that land only when waited for, so a
-buffer reused too early shows as wrong bytes. The kernel cache is checked with fake timings and a fake GPU
-identity (no GPU here): a hit times nothing, and another identity, a corrupt file or stale entries fall back to
-timing and are rewritten. Peak memory is measured in a fresh process.
+Writing a dict is checked byte for byte against safetensors' own `save_file`; writing a stream (an export's LLM
+weights, in the checkpoint's order) by safetensors' own reader, the header's layout and the hash; loading against
+safetensors' `load_file` and the file's sha256; the CUDA path's read ring runs on the CPU with copies that land
+only when waited for, so a buffer reused too early shows as wrong bytes. The kernel cache is checked with fake
+timings and a fake GPU identity (no GPU here): a hit times nothing, and another identity, a corrupt file or stale
+entries fall back to timing and are rewritten. Peak memory is measured in a fresh process.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import logging
@@ -16,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -30,7 +33,9 @@ from exporter.engine.kernel_cache import CHOICES_FILE, KernelCache
 from exporter.engine.loading import load_tensors, stream_chunks
 from exporter.engine.progress import byte_progress
 from exporter.engine.safetensors_format import read_header
-from exporter.engine.writing import write_tensors
+from exporter.checkpoint import NemoCheckpoint, NemoCheckpointError
+from exporter.engine import writing
+from exporter.engine.writing import stream_tensors, write_tensors
 from exporter.llm import gemv
 from support.media import random_image
 from support.tokenizer_files import tokenizer_file
@@ -79,6 +84,62 @@ def test_mixed_dtypes_are_stored_aligned_and_read_back_by_safetensors(tmp_path):
     with open(tmp_path / "mixed.safetensors", "rb") as stream:
         data_start, entries = read_header(stream, (tmp_path / "mixed.safetensors").stat().st_size)
     assert data_start % 8 == 0 and all(e.start % e.dtype.itemsize == 0 for e in entries)
+
+
+def test_streamed_tensors_load_with_safetensors_and_keep_the_stream_order(tmp_path):
+    """The header comes from the metadata alone, the data follows the source's order (not the names'), and the
+    file is valid safetensors: safetensors' reader and the engine's loader give the tensors, the hash matches."""
+    weights = random_weights(3)
+    order = ["norm.weight", "scalar", "layers.0.weight", "embedding.weight", "layers.0.bias"]
+    path = tmp_path / "streamed.safetensors"
+    sha256 = stream_tensors(path, {name: weights[name].to("meta") for name in order},
+                            ((name, weights[name].clone()) for name in order), torch.bfloat16, ahead_bytes=1)
+    expected = {name: t.to(torch.bfloat16) for name, t in weights.items()}
+    assert sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    with safe_open(path, "pt") as stored:
+        assert sorted(stored.keys()) == sorted(expected)
+        assert all(torch.equal(stored.get_tensor(name), expected[name]) for name in expected)
+    loaded = load_tensors(path, "cpu")
+    assert all(torch.equal(loaded[name], expected[name]) for name in expected)
+    with open(path, "rb") as stream:
+        data_start, entries = read_header(stream, path.stat().st_size)  # contiguous, covering the file
+    assert data_start % 8 == 0 and [e.name for e in entries] == order
+
+
+def test_the_reader_runs_at_most_its_budget_ahead_of_the_writers(tmp_path, monkeypatch):
+    monkeypatch.setattr(writing, "MAX_PENDING_BYTES", 4000)
+    tensors = {f"t{i:02d}": torch.full((250,), float(i)) for i in range(40)}  # 1,000 bytes each as float32
+    written, ahead = [0], []
+
+    def source():
+        for number, (name, tensor) in enumerate(tensors.items()):
+            ahead.append(number * 1000 - written[0])  # read beyond what the writers have finished
+            yield name, tensor
+
+    path = tmp_path / "w.safetensors"
+    stream_tensors(path, {k: v.to("meta") for k, v in tensors.items()}, source(), torch.float32,
+                   progress=lambda n: written.__setitem__(0, written[0] + n), writers=2, ahead_bytes=3000)
+    assert max(ahead) <= 3000 + 4000 + 2 * 1000 + 4 * 1000  # read-ahead + pending (+ one each) + the pool's queue
+    stored = load_file(path)
+    assert all(torch.equal(stored[k], v) for k, v in tensors.items())
+
+
+@pytest.mark.parametrize("failure", ["reading", "writing"])
+def test_a_failure_on_either_side_stops_the_stream_and_its_reader(tmp_path, failure):
+    weights = random_weights()
+    metas = {name: t.to("meta") for name, t in weights.items()}
+
+    def source():
+        for number, (name, tensor) in enumerate(weights.items()):
+            if number == 2:
+                if failure == "reading":
+                    raise NemoCheckpointError("member model_weights.ckpt is truncated")
+                name = "not.asked.for"
+            yield name, tensor
+
+    with pytest.raises((NemoCheckpointError, ValueError), match="truncated|expected tensor"):
+        stream_tensors(tmp_path / "w.safetensors", metas, source(), torch.bfloat16)
+    assert not [t for t in threading.enumerate() if t.name == "engine-reader"]
 
 
 # --- loading ---------------------------------------------------------------------------------------------------------
@@ -392,6 +453,34 @@ def test_the_cache_folder_is_no_part_of_the_engine(vlm, tmp_path, caplog):
                   "check the engine files", "LLM weights: read + transfer", "load the engine",
                   "warm-up: compile, choose kernels, capture graphs"):
         assert f"phase {phase}: " in logged, phase
+
+
+def test_export_streams_the_llm_weights_in_the_checkpoint_order(vlm, tmp_path, caplog):
+    """A plain `.nemo`'s LLM weights go straight from the checkpoint into the engine file, in its stored order; a
+    gzip `.nemo` (no seeking into it) takes the read-whole path: both engines hold the same tensors, each file's
+    hash is the manifest's."""
+    gzipped = tmp_path / "vlm.nemo"
+    with gzip.open(gzipped, "wb", compresslevel=1) as out:
+        out.write(vlm.nemo.read_bytes())
+    engines = {}
+    for name, nemo in (("streamed", vlm.nemo), ("whole", gzipped)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            export(tmp_path / name, nemo)
+        written = next(r.getMessage() for r in caplog.records if "phase write the LLM weights" in r.getMessage())
+        assert ("read from the checkpoint as written" in written) == (name == "streamed"), written
+        path = tmp_path / name / LLM_WEIGHTS
+        manifest = json.loads((tmp_path / name / "manifest.json").read_text())
+        assert manifest["files"][LLM_WEIGHTS]["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+        engines[name] = load_file(path)
+        with open(path, "rb") as stream:
+            engines[name + " order"] = [e.name for e in read_header(stream, path.stat().st_size)[1]]
+    with NemoCheckpoint(vlm.nemo) as checkpoint:
+        stored = list(checkpoint.tensor_stream(select=lambda n: n in engines["whole"]).metas)
+    assert engines["streamed order"] == stored != sorted(stored)
+    assert engines["whole order"] == sorted(stored)
+    assert engines["streamed"].keys() == engines["whole"].keys()
+    assert all(torch.equal(engines["streamed"][k], engines["whole"][k]) for k in engines["whole"])
 
 
 def test_progress_is_logged_in_quarters_off_a_terminal(caplog):

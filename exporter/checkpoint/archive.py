@@ -47,18 +47,34 @@ class Archive:
     def open(self, name: str) -> IO[bytes]:
         """A seekable binary file object for member `name`."""
         if self._tar is None:
-            target = (self.path / name).resolve()
-            if not target.is_relative_to(self.path.resolve()):
-                raise NemoCheckpointError(f"{self.path}: {name!r} points outside the checkpoint folder")
-            return open(target, "rb")
+            return open(self._folder_file(name), "rb")
         if name not in self._members:
             raise NemoCheckpointError(f"{self.path}: no member {name!r}")
         return self._tar.extractfile(self._members[name])
+
+    def span(self, name: str) -> tuple[Path, int, int] | None:
+        """Where member `name`'s bytes lie: (file, offset, length), for a reader with a file handle of its own (one
+        thread's reads then never move another's position); None inside a compressed tar or for a sparse member."""
+        if self._tar is None:
+            target = self._folder_file(name)
+            return target, 0, target.stat().st_size
+        if name not in self._members:
+            raise NemoCheckpointError(f"{self.path}: no member {name!r}")
+        member = self._members[name]
+        if not isinstance(self._tar.fileobj, io.BufferedReader) or member.issparse():
+            return None
+        return self.path, member.offset_data, member.size
 
     def read(self, name: str) -> bytes:
         """All bytes of member `name`."""
         with self.open(name) as handle, reading(self.path, name):
             return handle.read()
+
+    def _folder_file(self, name: str) -> Path:
+        target = (self.path / name).resolve()
+        if not target.is_relative_to(self.path.resolve()):
+            raise NemoCheckpointError(f"{self.path}: {name!r} points outside the checkpoint folder")
+        return target
 
     def close(self) -> None:
         """Close the tar file (a folder holds nothing open)."""

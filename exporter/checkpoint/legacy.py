@@ -7,15 +7,23 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
 from .archive import Archive, NemoCheckpointError, reading
 from .experts import ExpertStacks
-from .names import FC1_UP, GATED_ACTIVATIONS, LAYER_KEY, canonical_name, holds_gate_and_up, tp_split_dim
+from .names import (
+    FC1_UP,
+    GATED_ACTIVATIONS,
+    LAYER_KEY,
+    canonical_name,
+    expert_slot,
+    holds_gate_and_up,
+    tp_split_dim,
+)
 from .safe_pickle import LEGACY_SAFE_GLOBALS, load_tensors
-from .streaming import Piece, as_rows, fill, stored_offset
+from .streaming import Piece, TensorStream, Window, as_rows, fill, stored_offset
 
 TP_SHARD = re.compile(r"^mp_rank_(\d+)/model_weights\.ckpt$")
 TP_PP_SHARD = re.compile(r"^tp_rank_(\d+)_pp_rank_(\d+)/model_weights\.ckpt$")
@@ -74,6 +82,36 @@ class LegacyReader:
         self._fill_from_file(name, jobs[0])
         return targets
 
+    def stream(self) -> TensorStream | None:
+        """The (selected) tensors of a `legacy` layout's single file as a `TensorStream` in stored order, read
+        through a file handle of their own; None where a canonical tensor is not one stored tensor as it is (TP
+        shards, a separate up projection, per-expert tensors), the file sits in a compressed tar, or a tensor cannot
+        be read by its offset alone (torch gives none, or it is stored non-contiguous): those would be loaded whole."""
+        name = "model_weights.ckpt"
+        if self._layout != "legacy" or (span := self._archive.span(name)) is None:
+            return None
+        stored = self._stored_tensors(name)
+        if any(FC1_UP in n or expert_slot(n) or stored_offset(meta) is None or not meta.is_contiguous()
+               for n, (_, meta) in stored.items()):
+            return None
+        order = sorted(stored.items(), key=lambda item: stored_offset(item[1][1]) +
+                       item[1][1].storage_offset() * item[1][1].element_size())
+
+        def read() -> Iterator[tuple[str, torch.Tensor]]:
+            filled: list[tuple[str, torch.Tensor]] = []
+
+            def jobs() -> Iterator[tuple[str, torch.Tensor, list[Piece]]]:
+                for canonical, (key, meta) in order:  # each tensor allocated when its turn comes
+                    filled.append((canonical, torch.empty(meta.shape, dtype=meta.dtype)))
+                    yield key, meta, [(0, as_rows(filled[-1][1]))]
+
+            path, offset, length = span
+            with open(path, "rb", buffering=0) as raw:
+                for _ in self._fill_each(name, jobs(), Window(raw, offset, length)):
+                    yield filled.pop()
+
+        return TensorStream({canonical: meta for canonical, (_, meta) in order}, read)
+
     def _load_weights_dict(self, name: str, map_location: str = "cpu") -> dict:
         saved = torch_load(self._archive, name, map_location)
         if isinstance(saved, dict) and isinstance(saved.get("state_dict"), dict):
@@ -111,6 +149,14 @@ class LegacyReader:
 
     def _fill_from_file(self, name: str, jobs: list[tuple[str, torch.Tensor, list[Piece]]]) -> None:
         """Copy the tensors of weights file `name` into their pieces, reading the file front to back."""
+        with self._archive.open(name) as handle, reading(self._archive.path, name):
+            for _ in self._fill_each(name, sorted(jobs, key=lambda job: stored_offset(job[1]) or 0), handle):
+                pass
+
+    def _fill_each(self, name: str, jobs: Iterable[tuple[str, torch.Tensor, list[Piece]]],
+                   handle) -> Iterator[None]:
+        """Copy each job's stored tensor of weights file `name` (open as `handle`) into its pieces, in the jobs'
+        order, yielding after each."""
         loaded: dict = {}
 
         def load_real(key: str) -> torch.Tensor:  # only when torch gives no storage offsets
@@ -118,9 +164,10 @@ class LegacyReader:
                 loaded.update(self._load_weights_dict(name))
             return loaded[key]
 
-        with self._archive.open(name) as handle, reading(self._archive.path, name):
-            for key, meta, pieces in sorted(jobs, key=lambda job: stored_offset(job[1]) or 0):
+        for key, meta, pieces in jobs:
+            with reading(self._archive.path, name):
                 fill(handle, 0, meta, pieces, functools.partial(load_real, key))
+            yield
 
 
 def _plan_tp_merge(ranks: list[dict[str, tuple[str, torch.Tensor]]], gated: bool):

@@ -18,6 +18,7 @@ from .experts import stack_experts
 from .legacy import TP_PP_SHARD, TP_SHARD, LegacyReader, torch_load
 from .names import FC1_UP
 from .nemo2 import nemo2_to_nemo1_config
+from .streaming import TensorStream
 from .torch_dist import DistReader
 
 
@@ -96,6 +97,13 @@ class NemoCheckpoint:
         else:
             weights = self._legacy_reader(select).load()
         return self._finish(weights)
+
+    def tensor_stream(self, select: Callable[[str], bool] | None = None) -> TensorStream | None:
+        """The (selected) weights as a `TensorStream` in the order the checkpoint stores them (nothing read yet), or
+        None where the layout does not store each canonical tensor as one stored tensor (then use `state_dict`):
+        the `legacy` layout's plain file, in a folder or an uncompressed tar, without TP shards or per-expert
+        tensors."""
+        return self._legacy_reader(select).stream() if self.layout == "legacy" else None
 
     @property
     def tp_size(self) -> int:

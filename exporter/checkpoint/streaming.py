@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import io
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import IO
 
 import torch
@@ -15,6 +16,16 @@ from .archive import NemoCheckpointError
 STREAM_BLOCK_BYTES = 8 << 20
 
 Piece = tuple[int, torch.Tensor]  # (first row of a stored tensor, destination view of the rows that follow)
+
+
+@dataclass
+class TensorStream:
+    """Tensors of a checkpoint in the order its file stores them: `metas` (canonical name -> meta tensor: shape
+    and stored dtype, in that order) known before any data is read, then `read()` yields `(name, tensor)` pairs
+    in the same order, each read when asked (one tensor held at a time by the stream itself)."""
+
+    metas: dict[str, torch.Tensor]
+    read: Callable[[], Iterator[tuple[str, torch.Tensor]]]
 
 
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -86,8 +97,8 @@ class Window(io.RawIOBase):
         return self._pos
 
     def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
         self._handle.seek(self._start + self._pos)
-        data = self._handle.read(max(0, min(len(buffer), self._length - self._pos)))
-        buffer[:len(data)] = data
-        self._pos += len(data)
-        return len(data)
+        got = self._handle.readinto(view[:max(0, min(len(view), self._length - self._pos))])
+        self._pos += got or 0
+        return got or 0

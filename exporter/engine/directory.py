@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import NemoCheckpoint
+from ..checkpoint import NemoCheckpoint, TensorStream
 from ..llm.config import DecoderConfig
 from ..llm.lora_layers import LoraBank, check_lora_adapter
 from ..llm.model import Decoder, select_llm_weights
@@ -42,6 +42,7 @@ from ..lora import (
     plan_lora,
     save_adapters,
 )
+from ..lora.adapters import LORA_MARKER
 from ..media_safety import MediaPolicy
 from ..models import Perception, get_model_type
 from ..models.templates import ChatTemplate
@@ -51,7 +52,7 @@ from .integrity import AGAIN, MANIFEST, check_files, describe_files, mark_verifi
 from .limits import EngineLimits
 from .loading import LoadStats, load_tensors
 from .progress import byte_progress, phase
-from .writing import write_tensors
+from .writing import stream_tensors, write_tensors
 
 FORMAT_VERSION = 2
 LLM_DIR = "llm_engine"
@@ -122,9 +123,12 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
         config = checkpoint.config
         per_rank = tensor_parallel_size > 1 and llm_checkpoint_path is None and merged_lora is None and \
             checkpoint.tp_size == tensor_parallel_size
-        # read per rank: the rest now (the embedding merged: rank 0 holds it whole), the LLM's slices rank by rank
-        weights = checkpoint.state_dict(select=(lambda name: name == EMBEDDING or not _is_llm(name))
-                                        if per_rank else None)
+        streamable = merged_lora is None and quantizer is None and tensor_parallel_size == 1
+        stream = _llm_stream(checkpoint) if streamable and llm_checkpoint_path is None else None
+        # read per rank: the rest now (the embedding merged: rank 0 holds it whole), the LLM's slices rank by rank;
+        # streamed: the rest now, the LLM's tensors as they are written
+        weights = checkpoint.state_dict(select=(lambda name: name == EMBEDDING or not _is_llm(name)) if per_rank
+                                        else (lambda name: not _is_llm(name)) if stream is not None else None)
     with _hashing_sources(visual_checkpoint_path, llm_checkpoint_path) as source:
         if merged_lora is not None:
             merge_extra(weights, merged_lora)
@@ -139,20 +143,23 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
             llm_checkpoint = checkpoint
             if per_rank:
                 llm_weights = _NemoRanks(checkpoint, weights[EMBEDDING])
+            elif stream is not None:
+                llm_weights = stream
             elif llm_checkpoint_path is None:
                 llm_weights = select_llm_weights(weights)
             else:
                 with phase("read the LLM checkpoint"):
                     llm_checkpoint = NemoCheckpoint(llm_checkpoint_path, rename_keys=rename_keys)
-                    llm_weights = select_llm_weights(merge_lora(llm_checkpoint.state_dict(), llm_checkpoint.config))
+                    llm_weights = (_llm_stream(llm_checkpoint) if streamable else None) or \
+                        select_llm_weights(merge_lora(llm_checkpoint.state_dict(), llm_checkpoint.config))
             del weights
-            if not llm_weights:
+            if not _shapes(llm_weights):
                 raise EngineError(f"{llm_checkpoint.path} holds no LLM weights; give the LLM checkpoint as "
                                   "llm_checkpoint_path (-lc/--llm_checkpoint)")
             if merged_lora is not None:
                 merge_adapter(llm_weights, merged_lora)
             if lora is not None:  # before the LLM is written: a bad adapter fails fast
-                vocab_size = int(llm_weights["embedding.word_embeddings.weight"].shape[0])
+                vocab_size = int(_shapes(llm_weights)[EMBEDDING].shape[0])
                 shapes = DecoderConfig.from_nemo(llm_checkpoint.config, vocab_size=vocab_size)
                 for adapter in lora.adapters:
                     check_lora_adapter(shapes, lora.modules, lora.max_rank, adapter.uid, adapter.rank,
@@ -228,14 +235,26 @@ def _is_llm(name: str) -> bool:
     return bool(select_llm_weights({name: None}))
 
 
-def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tensor], dtype: torch.dtype,
-               quantize: Callable[[DecoderConfig, dict[str, torch.Tensor]], DecoderConfig] | None = None,
-               tensor_parallel_size: int = 1) -> tuple[DecoderConfig, dict[str, str]]:
-    """Write the decoder weights (cast to `dtype` as each is written, consuming `weights`: never two copies;
-    quantized first if asked; one file per rank when tensor parallel) and the config; return the config and each
-    weights file's sha256."""
+def _llm_stream(checkpoint: NemoCheckpoint) -> TensorStream | None:
+    """The checkpoint's LLM weights as a stream in its stored order, where they can be written as stored (no LoRA
+    adapter to merge into them; `NemoCheckpoint.tensor_stream` says which layouts)."""
+    stream = checkpoint.tensor_stream(select=_is_llm)
+    return None if stream is None or any(LORA_MARKER in name for name in stream.metas) else stream
+
+
+def _shapes(weights: dict[str, torch.Tensor] | TensorStream) -> dict[str, torch.Tensor]:
+    """Name -> tensor (or meta tensor: its shape and dtype) of LLM weights held or streamed."""
+    return weights.metas if isinstance(weights, TensorStream) else weights
+
+
+def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tensor] | TensorStream,
+               dtype: torch.dtype, quantize: Callable[[DecoderConfig, dict[str, torch.Tensor]], DecoderConfig] | None
+               = None, tensor_parallel_size: int = 1) -> tuple[DecoderConfig, dict[str, str]]:
+    """Write the decoder weights (cast to `dtype` as each is written, consuming `weights`: never two copies; a
+    stream is written as it is read, in its order; quantized first if asked; one file per rank when tensor
+    parallel) and the config; return the config and each weights file's sha256."""
     directory.mkdir(parents=True, exist_ok=True)
-    vocab_size = int(weights[EMBEDDING].shape[0])
+    vocab_size = int(_shapes(weights)[EMBEDDING].shape[0])
     decoder_config = DecoderConfig.from_nemo(model_config, vocab_size=vocab_size)
     if tensor_parallel_size > 1:
         try:
@@ -248,13 +267,22 @@ def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tens
         for name in list(weights):
             weights[name] = weights.pop(name).to(dtype).contiguous()
         decoder_config = quantize(decoder_config, weights)
-    Decoder.from_state_dict(decoder_config, {k: v.to("meta") for k, v in weights.items()})  # names/shapes check
+    shapes = _shapes(weights)
+    Decoder.from_state_dict(decoder_config, {k: v.to("meta") for k, v in shapes.items()})  # names/shapes check
     (directory / "config.json").write_text(json.dumps(decoder_config.to_dict(), indent=2))
-    total = sum(t.numel() for t in weights.values()) * dtype.itemsize if quantize is None else \
-        sum(t.numel() * t.element_size() for t in weights.values())
+    total = sum(t.numel() for t in shapes.values()) * dtype.itemsize if quantize is None else \
+        sum(t.numel() * t.element_size() for t in shapes.values())
     with phase("write the LLM weights") as note, byte_progress("writing the LLM weights", total) as progress:
-        sha256 = write_tensors(directory / "model.safetensors", weights, None if quantize else dtype, progress)
         note["detail"] = f"{total / 1e9:.2f} GB"
+        if isinstance(weights, TensorStream):
+            waits: dict[str, float] = {}
+            sha256 = stream_tensors(directory / "model.safetensors", weights.metas, weights.read(), dtype, progress,
+                                    waits=waits)
+            note["detail"] += (f", read from the checkpoint as written: the writers waited "
+                               f"{waits.get('writers', 0.0):.2f} s for the reader, the reader "
+                               f"{waits.get('reader', 0.0):.2f} s for the writers")
+        else:
+            sha256 = write_tensors(directory / "model.safetensors", weights, None if quantize else dtype, progress)
     return decoder_config, {LLM_WEIGHTS: sha256}
 
 

@@ -2,8 +2,9 @@
 
 A file is an 8-byte little-endian header length, a JSON header (padded with spaces to a multiple of 8 bytes) of
 `{name: {"dtype", "shape", "data_offsets": [start, stop]}}`, then the data: every tensor's bytes, back to back,
-offsets relative to the end of the header. Tensors are laid out by element size, largest first (then by name), so
-every tensor starts at a multiple of its element size: the data can be viewed in place as each tensor's dtype.
+offsets relative to the end of the header. Tensors are laid out by element size, largest first (then by name, or
+in the order they are streamed from a checkpoint), so every tensor starts at a multiple of its element size: the
+data can be viewed in place as each tensor's dtype.
 """
 
 from __future__ import annotations
@@ -43,10 +44,12 @@ class Entry:
         return self.stop - self.start
 
 
-def plan(specs: Iterable[tuple[str, torch.dtype, Sequence[int]]]) -> tuple[bytes, list[Entry]]:
+def plan(specs: Iterable[tuple[str, torch.dtype, Sequence[int]]],
+         keep_order: bool = False) -> tuple[bytes, list[Entry]]:
     """The header bytes (length prefix included) and the entries, in file order, of tensors given as
-    `(name, dtype, shape)`."""
-    ordered = sorted(specs, key=lambda spec: (-spec[1].itemsize, spec[0]))
+    `(name, dtype, shape)`: by element size, then by name, or in the given order (`keep_order`: a stream's)."""
+    ordered = sorted(enumerate(specs), key=lambda item: (-item[1][1].itemsize, item[0] if keep_order else item[1][0]))
+    ordered = [spec for _, spec in ordered]
     entries, offset = [], 0
     for name, dtype, shape in ordered:
         if dtype not in CODES:
