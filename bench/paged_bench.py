@@ -35,7 +35,7 @@ import numpy as np
 import torch
 from llava_bench import FULL as LLAVA
 from llava_bench import TINY as LLAVA_TINY
-from llava_bench import bench_main, copy_bandwidth, kv_bytes_per_token, synchronize, vision_encoder
+from llava_bench import bench_main, copy_bandwidth, kv_bytes_per_token, save_result, synchronize, vision_encoder
 from mixed_decode import FULL, TINY
 from mixed_decode import decoder as random_decoder
 from transformers import CLIPVisionConfig, CLIPVisionModel
@@ -83,7 +83,9 @@ def run(tiny: bool) -> dict:
 
 
 def part(result: dict, name: str, fn: Callable[[], dict | None]) -> None:
-    """Run one part; its failure is recorded (and printed) instead of ending the run."""
+    """Run one part; its failure is recorded (and printed) instead of ending the run. Each part's time is printed
+    and the results so far saved as it ends, so a run cut short by its time limit keeps them."""
+    started = time.perf_counter()
     try:
         result.update(fn() or {})
     except Exception as error:  # noqa: BLE001 - the other parts still run
@@ -93,6 +95,9 @@ def part(result: dict, name: str, fn: Callable[[], dict | None]) -> None:
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        result[f"{name}_part_s"] = time.perf_counter() - started
+        save_result("paged_bench", result)
+        print(f"part {name}: {result[f'{name}_part_s']:.1f} s", flush=True)
 
 
 def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, max_seq_len: int) -> dict:
@@ -100,6 +105,8 @@ def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, m
     scheduler = Scheduler(model, max_slots=max(sizes["rows"]), max_seq_len=max_seq_len, eos_id=None,
                           kv_cache=KVCacheOptions(dtype=kv_dtype))
     scheduler.warm_up()  # every step graph captured first, as a served engine has them: no capture is timed
+    print(f"warm-up ({kv_dtype} KV): {scheduler.capture_stats.get('before', 0)} graphs in "
+          f"{scheduler.capture_stats.get('before_s', 0.0):.1f} s", flush=True)
     out = {f"pool_blocks_{kv_dtype}": scheduler.pool.capacity, "block_size": scheduler.block_size}
     kv_token = kv_bytes_per_token(model) // (2 if kv_dtype == "fp8" else 1)
     try:
