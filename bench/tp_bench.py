@@ -20,7 +20,6 @@ import argparse
 import gc
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -65,8 +64,7 @@ def build(shape: dict, shard: Shard, device: str, dtype: torch.dtype) -> Decoder
 def measure(model: Decoder, check_tokens: int, timed_steps: int) -> dict:
     """Rank 0 (or TP=1): the batch-1 decode ms/step over ``timed_steps`` (none: not timed) through a warmed-up
     scheduler, and a greedy request's ``check_tokens`` tokens."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    from paged_bench import decode_ms
+    from paged_bench import decode_ms  # here: the other ranks' processes need not import it
 
     scheduler = Scheduler(model, max_slots=2, max_seq_len=PROMPT + max(check_tokens, timed_steps + 64) + 8,
                           eos_id=None, kv_cache=KVCacheOptions(free_gpu_mem_fraction=0.3, enable_reuse=False),

@@ -118,12 +118,12 @@ def _read_ahead(source: Iterator[tuple[str, torch.Tensor]], limit: int,
             for item in source:
                 with state:
                     started = time.perf_counter()
-                    while held and held + _nbytes(item[1]) > limit and not stop:
+                    while held and held + item[1].nbytes > limit and not stop:
                         state.wait()
                     waits["reader"] = waits.get("reader", 0.0) + time.perf_counter() - started
                     if stop:
                         return
-                    held += _nbytes(item[1])
+                    held += item[1].nbytes
                     ready.append(item)
                     state.notify_all()
             outcome: object = _DONE
@@ -148,7 +148,7 @@ def _read_ahead(source: Iterator[tuple[str, torch.Tensor]], limit: int,
                 waits["writers"] = waits.get("writers", 0.0) + time.perf_counter() - started
                 item = ready.popleft()
                 if isinstance(item, tuple):
-                    held -= _nbytes(item[1])
+                    held -= item[1].nbytes
                     state.notify_all()
             if item is _DONE:
                 return
@@ -161,9 +161,6 @@ def _read_ahead(source: Iterator[tuple[str, torch.Tensor]], limit: int,
             state.notify_all()
         thread.join()
 
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
 
 
 def _hash_next(pending: deque[Future], digest, progress: Callable[[int], None] | None) -> int:

@@ -278,7 +278,7 @@ class ForwardStep:
             key = self._captured_above(key)
             self.padded_steps += key is not None
             self.eager_steps += key is None
-        if key is None or key not in self.graphs and not self.capture_on_demand:
+        if key is None:
             chunk = self._chunk(pieces, tokens_in_chunk) if pieces else None
             key, decoded = None, rows
             layout = None if chunk is None else ("eager", tokens_in_chunk, len(pieces), _tile_count(pieces),
