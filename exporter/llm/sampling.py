@@ -80,6 +80,7 @@ class TokenChooser:
         self.ends = torch.zeros(rows, vocab_size, dtype=torch.bool, device=device)  # a beam leader's end ids
         self.candidate_values = torch.zeros(rows, self.candidates, dtype=torch.float32, device=device)
         self.candidate_ids = torch.zeros(rows, self.candidates, dtype=torch.long, device=device)  # parent·V + id
+        self._true = torch.ones((), dtype=torch.bool, device=device)  # a device value: no host copy that waits
         self.release(0, rows)
 
     # --- host writes ---------------------------------------------------------------------------------------------
@@ -99,7 +100,7 @@ class TokenChooser:
         pairs = [(first + i, t) for i, ids in enumerate(ids_per_row) for t in set(ids) if 0 <= t < self.vocab_size]
         if pairs:
             index = host_to_device(pairs, torch.long, self.device)
-            table[index[:, 0], index[:, 1]] = True
+            table.index_put_((index[:, 0], index[:, 1]), self._true)
 
     def place(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
         """Rows ``[0, len(tokens))`` active, each with its next input token at its position."""

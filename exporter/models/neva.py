@@ -61,7 +61,10 @@ class ImagePerception(Perception):
         parameter = next(self.encoder.parameters())
         blocks: list[torch.Tensor] = []
         for start in range(0, len(items), self.max_encoder_batch):
-            pixels = torch.stack(items[start:start + self.max_encoder_batch]).to(parameter.device, parameter.dtype)
+            pixels = torch.stack(items[start:start + self.max_encoder_batch])
+            if parameter.is_cuda:  # from pinned memory, not waiting for the device's queued work
+                pixels = pixels.pin_memory().to(parameter.device, non_blocking=True)
+            pixels = pixels.to(parameter.device, parameter.dtype)
             blocks.extend(self._graphed_encoder(pixels).clone().unbind(0))  # clone: the graph reuses its output
         return blocks
 
