@@ -58,9 +58,13 @@ class RowSetup:
 
 def host_to_device(values: Sequence, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A tensor of ``values`` on ``device``; on CUDA copied from pinned memory without waiting for queued work."""
-    tensor = torch.tensor(values, dtype=dtype)
+    return moved_without_waiting(torch.tensor(values, dtype=dtype), device)
+
+
+def moved_without_waiting(tensor: Tensor, device: torch.device) -> Tensor:
+    """A CPU ``tensor`` on ``device``; on CUDA copied from pinned memory, not waiting for the device's queued work."""
     if torch.device(device).type != "cuda":
-        return tensor
+        return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)
 
 

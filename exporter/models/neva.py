@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from wire.media import IMAGE
 
+from ..llm.sampling import moved_without_waiting
 from ..llm.tokenizer import Tokenizer
 from ..media_safety import MediaPolicy
 from ..perception.image_preprocess import ImagePreprocessor
@@ -62,9 +63,7 @@ class ImagePerception(Perception):
         blocks: list[torch.Tensor] = []
         for start in range(0, len(items), self.max_encoder_batch):
             pixels = torch.stack(items[start:start + self.max_encoder_batch])
-            if parameter.is_cuda:  # from pinned memory, not waiting for the device's queued work
-                pixels = pixels.pin_memory().to(parameter.device, non_blocking=True)
-            pixels = pixels.to(parameter.device, parameter.dtype)
+            pixels = moved_without_waiting(pixels, parameter.device).to(parameter.dtype)
             blocks.extend(self._graphed_encoder(pixels).clone().unbind(0))  # clone: the graph reuses its output
         return blocks
 
