@@ -41,11 +41,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 MODEL = "bench"
+# The server's log lines once its background captures end (all captured, or stopped: the rest then run eagerly).
+BACKGROUND_CAPTURED = ("phase capture the other step graphs", "background capture of the step graphs stopped")
 PROTOCOLS = ("triton_http", "grpc_stream", "openai")
 OPENAI_PLAIN = "openai_plain"  # the OpenAI API without streaming: one answer per request (no TTFT or TPOT)
 QUESTIONS = ("Describe this image.", "What is in this picture?", "What colors do you see?", "Is there a person?")
@@ -334,6 +337,7 @@ def scheduler_only(engine_dir: Path, device: str, requests: list[BenchRequest], 
 
     engine = TensorRTMMExporter(engine_dir, device=device)
     engine.generate([Request(requests[0].text, requests[0].image, SamplingParams(max_output_len=2))])  # warm
+    wait_for(lambda: engine.pipeline.scheduler.forward.uncaptured() == 0, "the in-process step graphs")
     result = {}
     for concurrency in concurrencies:
         share = requests[: _phase_size(concurrency, len(requests))]
@@ -528,6 +532,17 @@ def start_ray_server(engine_dir: Path, device: str, replicas: int, cpus_per_repl
     return _ready(command, log, urls["openai"] + "/health/ready"), urls
 
 
+def wait_for(done: Callable[[], bool], what: str, timeout_s: float = 900, poll_s: float = 0.5) -> None:
+    """Wait until `done()` holds: the phases measure steady serving, after the step graphs the warm-up left for
+    the background are captured (a first start compiles kernels for each)."""
+    started = time.monotonic()
+    while not done():
+        if time.monotonic() - started > timeout_s:
+            raise RuntimeError(f"{what} were not captured in {timeout_s:g} s")
+        time.sleep(poll_s)
+    print(f"{what} captured ({time.monotonic() - started:.1f} s waited)", flush=True)
+
+
 def _ready(command: list[str], log: Path, ready_url: str) -> subprocess.Popen:
     with log.open("w") as out:
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
@@ -645,8 +660,12 @@ def main(argv: list[str] | None = None) -> dict:
                    for n in args.ray_replicas] if ray else [("triton", partial(start_server, engine_dir, setting,
                                                                                device))]
         for label, start in servers:
-            server, urls = start(Path(os.environ.get("OUT", tmp)) / f"serve_bench_{label.replace(' ', '')}.log")
+            log = Path(os.environ.get("OUT", tmp)) / f"serve_bench_{label.replace(' ', '')}.log"
+            server, urls = start(log)
             try:
+                if device == "cuda" and not ray:
+                    wait_for(lambda: any(line in log.read_text(errors="replace") for line in BACKGROUND_CAPTURED),
+                             "the server's step graphs")
                 loads = [{"concurrency": c} for c in args.concurrency] + ([{"rate": args.rate}] if args.rate else [])
                 for protocol in protocols:
                     for load in loads:
