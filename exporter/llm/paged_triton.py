@@ -131,11 +131,12 @@ def _decode_grid(rows: int, groups: int, splits: int):
 def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales: Tensor | None,
           window: int | None, splits: int = 1, counters: Tensor | None = None) -> Tensor:
     """Causal attention of prompt positions `q [C, heads, d]` over their rows' blocks. `tiles [T, 4]` int32: per
-    program (sequence s or -1, first query index, query count <= CHUNK_TILE, position of that first query);
-    sequence s reads blocks `tables[s]`. With `splits > 1` each tile's keys are cut into that many parts (a few
-    tiles over a long prefix still keep every SM busy), merged as `decode` merges its splits (in place with
-    `counters`, at least `T x heads` times the programs a tile may take). Queries no tile covers come back as zeros. The first call of its kind
-    first times the kernel's configurations on the chunk's queries after `TUNE_PREFIX` cached positions."""
+    tile (sequence s or -1, first query index, query count <= CHUNK_TILE, position of that first query); sequence
+    s reads blocks `tables[s]`. With `splits > 1` each tile's keys are cut into that many parts (a few tiles over a
+    long prefix still keep every SM busy), merged as `decode` merges its splits (in place with `counters`, at
+    least `T x heads` times the programs a tile may take, `CHUNK_TILE / 64`). Queries no tile covers come back as
+    zeros. The first call of its kind first times the kernel's configurations on the chunk's queries after
+    `TUNE_PREFIX` cached positions."""
     q = q.contiguous()
     if q.shape[0] and tiles.shape[0]:
         _tune_first(("chunk", q.shape[1:], q.dtype, k.shape[1:], k.dtype, k.stride(), tables.shape[1],
