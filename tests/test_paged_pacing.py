@@ -11,7 +11,7 @@ import torch
 from exporter.llm.config import DecoderConfig
 from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
-from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, WAITED_S, ChunkPacer
+from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, SMALLEST_SHARE, WAITED_S, ChunkPacer
 from exporter.runtime.kv_cache import KVCacheOptions
 from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler
 from support.decoders import LONG_CONFIG, SCHEDULER_VOCAB, make_tiny_gpt_weights, random_ids
@@ -29,26 +29,27 @@ def test_the_budget_keeps_a_mixed_step_within_the_limit_of_the_rows_own_step():
     allowed = (MIXED_STEP_LIMIT - 1) * ALONE_S / 40e-6
     assert pacer.budget(16, 384) == int(allowed) < 384
     assert pacer.budget(16, 100) == 100  # never above the captured chunk
-    assert pacer.budget(8, 384) == 384  # 8 rows alone never measured
-    pacer.measured(8, 0.0, ALONE_S / 2)
-    assert pacer.budget(8, 384) == int(allowed / 2)  # rows of a shorter step take a smaller chunk
+    assert pacer.budget(8, 384) == int(allowed)  # 8 rows alone never measured: the nearest rows measured
+    pacer.measured(8, 0.0, ALONE_S * 0.75)
+    assert pacer.budget(8, 384) == int(allowed * 0.75)  # rows of a shorter step take a smaller chunk
+    assert pacer.budget(12, 384) == int(allowed * 0.75)  # as near to 8 as to 16: the fewer rows, the smaller
 
 
 def test_the_running_averages_follow_the_step_times():
     pacer = ChunkPacer()
     pacer.measured(16, 0.0, ALONE_S)
     pacer.measured(16, 200.0, ALONE_S + 200 * 20e-6)
-    budgets = [pacer.budget(16, 10_000)]
+    budgets = [pacer.budget(16, 400)]
     for _ in range(20):  # the chunk's keys get longer: each unit costs twice as much
         pacer.measured(16, 200.0, ALONE_S + 200 * 40e-6)
-        budgets.append(pacer.budget(16, 10_000))
+        budgets.append(pacer.budget(16, 400))
     assert all(a > b for a, b in zip(budgets[:3], budgets[1:4]))  # it moves at once
     assert budgets[-1] == pytest.approx((MIXED_STEP_LIMIT - 1) * ALONE_S / 40e-6, rel=0.01)
     pacer.measured(16, 200.0, ALONE_S / 2)  # faster than the rows alone (noise): no negative cost
     assert pacer.unit_s > 0
     for _ in range(40):
-        pacer.measured(16, 200.0, 1.0)  # a very slow mixed step: at least one position still
-    assert pacer.budget(16, 384) == 1
+        pacer.measured(16, 200.0, 1.0)  # very slow mixed steps: a quarter of the largest chunk still
+    assert pacer.budget(16, 384) == 384 // SMALLEST_SHARE == 96
 
 
 def test_only_steps_the_host_waited_for_back_to_back_are_measured():
@@ -89,8 +90,8 @@ def test_the_scheduler_chunks_follow_the_measured_times_and_its_tokens_stay_the_
     reads = []
     pacer.read_back = lambda *args: reads.append(args)  # only fed times count here
     pacer.measured(1, 0.0, 0.010)
-    pacer.measured(1, 100.0, 0.010 + 100 * 1e-3)  # far slower than allowed: 8 positions a step
-    assert scheduler.chunk_budget(True, 1) == 8
+    pacer.measured(1, 100.0, 0.010 + 100 * 1e-3)  # far slower than allowed (8 positions): the floor
+    assert scheduler.chunk_budget(True, 1) == DECODE_CHUNK_TOKENS // SMALLEST_SHARE
     pacer.unit_s = 1e-6  # far cheaper: the captured largest chunk
     assert scheduler.chunk_budget(True, 1) == DECODE_CHUNK_TOKENS
     pacer.unit_s = 0.008 / 200  # (1.8 - 1) x 10 ms for 200 positions
@@ -102,10 +103,10 @@ def test_the_scheduler_chunks_follow_the_measured_times_and_its_tokens_stay_the_
     late = scheduler.submit(model.embed(torch.tensor(beside)), beside, SamplingParams(max_output_len=3))
     for _ in range(3):
         scheduler.step()
-    pacer.unit_s = 0.008 / 100
+    pacer.unit_s = 0.008 / 120
     run_until_idle(scheduler)
     chunks = [chunk for rows, chunk in steps if chunk and rows]
-    assert chunks[:3] == [200, 200, 200] and set(chunks[3:-1]) == {100} and sum(chunks) == 1000
+    assert chunks[:3] == [200, 200, 200] and set(chunks[3:-1]) == {120} and sum(chunks) == 1000
     assert late.result(timeout=0) == static_greedy(model, model.embed(torch.tensor(beside)), 3)
     assert decoding.result(timeout=0) == static_greedy(model, model.embed(torch.tensor(short)), 40)
     mixed = [(rows, cost) for rows, cost, *_ in reads if cost]

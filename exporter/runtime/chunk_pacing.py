@@ -7,7 +7,9 @@ steps, the time between its two reads is the second step's time on the device: n
 host clocks read around reads the scheduler makes anyway. ``ChunkPacer`` keeps running averages of the time of a
 step of the current rows alone and of a mixed step's extra time per unit of chunk cost (``chunk_cost``), and gives
 the budget that keeps a mixed step within ``MIXED_STEP_LIMIT`` times the rows' own step, never above the budget the
-step graphs were captured for.
+step graphs were captured for, nor below a share of it (the time per unit is measured at the current chunk, a
+step's fixed costs counted in: a smaller chunk measures a higher cost per unit, a larger budget follows, and the
+budget settles where the step takes the limit; the floor keeps a burst of slow steps from starving the prompt).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 MIXED_STEP_LIMIT = 1.8  # a step with a prompt chunk beside decoding rows: at most this many times their own step
 SAMPLE_WEIGHT = 0.25  # a new measurement's weight in the running averages (the last few steps count most)
 WAITED_S = 50e-6  # a read back that took this long waited for the device: the step had just finished
+SMALLEST_SHARE = 4  # the budget stays at least this fraction (1/n) of the largest chunk: a long prompt moves on
 
 
 def _average(running: float | None, sample: float) -> float:
@@ -50,8 +53,9 @@ class ChunkPacer:
 
     def budget(self, rows: int, most: int) -> int:
         """The chunk cost a step beside ``rows`` decoding rows may take: what keeps it within ``limit`` times their
-        step alone, at least 1 and at most ``most``."""
-        alone = self.alone_s.get(rows)
-        if alone is None or not self.unit_s:
+        step alone (or, never measured alone, the nearest number of rows measured), at least ``most /
+        SMALLEST_SHARE`` and at most ``most``."""
+        if not self.alone_s or not self.unit_s:
             return most
-        return max(1, min(most, int((self.limit - 1.0) * alone / self.unit_s)))
+        alone = self.alone_s[min(self.alone_s, key=lambda measured: (abs(measured - rows), measured))]
+        return max(1, most // SMALLEST_SHARE, min(most, int((self.limit - 1.0) * alone / self.unit_s)))
