@@ -94,7 +94,7 @@ def test_the_scheduler_chunks_follow_the_measured_times_and_its_tokens_stay_the_
     assert scheduler.chunk_budget(True, 1) == DECODE_CHUNK_TOKENS // SMALLEST_SHARE
     pacer.unit_s = 1e-6  # far cheaper: the captured largest chunk
     assert scheduler.chunk_budget(True, 1) == DECODE_CHUNK_TOKENS
-    pacer.unit_s = 0.008 / 200  # (1.8 - 1) x 10 ms for 200 positions
+    pacer.unit_s = (MIXED_STEP_LIMIT - 1) * 0.010 / 200.5  # 200 positions within the limit
     steps = record_steps(scheduler)
     short = random_ids(31, 10)
     decoding = scheduler.submit(model.embed(torch.tensor(short)), short, SamplingParams(max_output_len=40))
@@ -103,7 +103,7 @@ def test_the_scheduler_chunks_follow_the_measured_times_and_its_tokens_stay_the_
     late = scheduler.submit(model.embed(torch.tensor(beside)), beside, SamplingParams(max_output_len=3))
     for _ in range(3):
         scheduler.step()
-    pacer.unit_s = 0.008 / 120
+    pacer.unit_s = (MIXED_STEP_LIMIT - 1) * 0.010 / 120.5
     run_until_idle(scheduler)
     chunks = [chunk for rows, chunk in steps if chunk and rows]
     assert chunks[:3] == [200, 200, 200] and set(chunks[3:-1]) == {120} and sum(chunks) == 1000
