@@ -30,21 +30,26 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+def _random_cache(blocks: int, block_size: int, groups: int, dim: int, fp8: bool,
+                  generator: torch.Generator) -> PagedKVCache:
+    """One layer of random bfloat16 keys and values on CUDA, or float8 ones stored as value / scale (skips the
+    test where the GPU has no float8)."""
+    if fp8 and not FP8_GPU:
+        pytest.skip("float8 needs compute capability 8.9")
+    data = torch.randn(1, 2, blocks, block_size, groups, dim, device="cuda", generator=generator)
+    if not fp8:
+        return PagedKVCache(data.bfloat16())
+    scales = torch.rand(1, 2, groups, device="cuda", generator=generator) * 0.02 + 0.005
+    return PagedKVCache((data / scales[:, :, None, None, :, None]).clamp(-448, 448).to(FP8_DTYPE), scales)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("groups, per_group, dim", [(32, 1, 128), (8, 4, 128), (2, 3, 80)])
 @torch.inference_mode()
 def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
-    if fp8 and not FP8_GPU:
-        pytest.skip("float8 needs compute capability 8.9")
     generator = torch.Generator("cuda").manual_seed(0)
     block_size, rows, width = 32, 6, 24
-    data = torch.randn(1, 2, rows * width + 1, block_size, groups, dim, device="cuda", generator=generator)
-    scales = None
-    if fp8:
-        scales = torch.rand(1, 2, groups, device="cuda", generator=generator) * 0.02 + 0.005
-        cache = PagedKVCache((data / scales[:, :, None, None, :, None]).clamp(-448, 448).to(FP8_DTYPE), scales)
-    else:
-        cache = PagedKVCache(data.bfloat16())
+    cache = _random_cache(rows * width + 1, block_size, groups, dim, fp8, generator)
     k, v, layer_scales = cache.layer(0)
     tables = (torch.randperm(rows * width, device="cuda", generator=generator) + 1).view(rows, width).int()
     positions = torch.tensor([0, 31, 32, 200, 600, 767], device="cuda")
@@ -83,17 +88,9 @@ def test_every_chunk_configuration_matches_the_reference_over_a_long_prefix(fp8,
     """Each chunk-kernel configuration of ``block_m`` queries a program, in bfloat16 (and on float8 blocks), for
     an unaligned 389-query chunk after 2,611 cached positions (LLaVA's 32 heads of 128), its keys in 1 to 4
     splits, merged in place."""
-    if fp8 and not FP8_GPU:
-        pytest.skip("float8 needs compute capability 8.9")
     generator = torch.Generator("cuda").manual_seed(1)
     block_size, width, heads, dim, start, count = 16, 188, 32, 128, 2611, 389
-    data = torch.randn(1, 2, width + 1, block_size, heads, dim, device="cuda", generator=generator)
-    scales = None
-    if fp8:
-        scales = torch.rand(1, 2, heads, device="cuda", generator=generator) * 0.02 + 0.005
-        cache = PagedKVCache((data / scales[:, :, None, None, :, None]).clamp(-448, 448).to(FP8_DTYPE), scales)
-    else:
-        cache = PagedKVCache(data.bfloat16())
+    cache = _random_cache(width + 1, block_size, heads, dim, fp8, generator)
     k, v, layer_scales = cache.layer(0)
     tables = (torch.randperm(width, device="cuda", generator=generator) + 1).view(1, width).int()
     tile = paged_triton.CHUNK_TILE
