@@ -1,7 +1,7 @@
 """The paged KV cache on the CPU, float32, against the static cache (`Decoder.new_kv_cache`, the path before it):
 paged, chunked and prefix-shared generation give exactly the reference's greedy tokens; blocks are freed, cached
-and reused; copy-on-write; requests wait while the pool is full; beams and sampled rows mixed in; the chunks beside decoding
-rows follow the step times fed to the chunk pacer."""
+and reused; copy-on-write; requests wait while the pool is full; beams and sampled rows mixed in; the chunks
+beside decoding rows follow the step times fed to the chunk pacer."""
 
 from __future__ import annotations
 
