@@ -8,7 +8,10 @@ Parts (each runs on its own: one that fails prints its error and the others stil
 - 128 concurrent image requests (608-position prompts, 128 new tokens) in one scheduler: completed, errors, tok/s,
   the most requests waiting and the largest share of the pool in use;
 - a 16,384-position prompt admitted while 16 requests decode: their per-token latency p50/p99 against the same 16
-  decoding alone, and the long prompt's time to first token against the same prompt alone;
+  decoding alone, and the long prompt's time to first token against the same prompt alone; the steps it took
+  beside them (their chunk sized from the measured step times, ``ChunkPacer``) and what the pacer measured;
+  one such step timed at three points of the prompt and profiled by kernel kind; the chunk kernel's
+  configurations the autotuner chose;
 - time to first token end to end through the Pipeline (image + question, `max_output_len=1`): a first question
   (the encoder runs, the whole prompt is prefilled) and a second question about an image already seen (encoder
   cache hit, the prompt's blocks up to the question reused), each with its median time by phase: the Pipeline's
@@ -42,6 +45,7 @@ from transformers import CLIPVisionConfig, CLIPVisionModel
 
 from exporter.engine import Engine, EngineLimits
 from exporter.llm.generate import SamplingParams
+from exporter.llm import paged_triton
 from exporter.llm.model import Decoder
 from exporter.llm.tokenizer import SentencePieceTokenizer
 from exporter.models.neva import ImagePerception
@@ -104,7 +108,10 @@ def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, m
     """Decode rows (and with the bf16 cache the 128 requests, the long prompt and batch 1) on one scheduler."""
     scheduler = Scheduler(model, max_slots=max(sizes["rows"]), max_seq_len=max_seq_len, eos_id=None,
                           kv_cache=KVCacheOptions(dtype=kv_dtype))
-    scheduler.warm_up()  # every step graph captured first, as a served engine has them: no capture is timed
+    if kv_dtype == "auto":
+        scheduler.warm_up()  # every step graph captured first, as a served engine has them: no capture is timed
+    # the fp8 part times decode steps only: each graph is captured when first used, by a step before the timed ones
+    # (with every graph captured first, the fp8 part took 246 s of the third H100 run's ~8 minutes)
     print(f"warm-up ({kv_dtype} KV): {scheduler.capture_stats.get('before', 0)} graphs in "
           f"{scheduler.capture_stats.get('before_s', 0.0):.1f} s", flush=True)
     out = {f"pool_blocks_{kv_dtype}": scheduler.pool.capacity, "block_size": scheduler.block_size}
@@ -122,6 +129,9 @@ def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, m
             part(out, "long", lambda: _long_prompt(scheduler, sizes["long"], sizes["beside"]))
             part(out, "mixed", lambda: _mixed_steps(scheduler, sizes["long"], sizes["beside"],
                                                     scheduler.chunk_budget(decoding=True)))
+            if paged_triton.available() and scheduler.model.device.type == "cuda":
+                out["chunk_configs"] = sorted({f"splits {key[3]}: {config}"
+                                               for key, config in paged_triton._chunk_tuned.cache.items()})
     finally:
         scheduler.stop()
     return out
@@ -203,11 +213,13 @@ def _long_prompt(scheduler: Scheduler, length: int, beside: int) -> dict:
         window_start = time.perf_counter()
         ttft = None
         if with_long:
+            steps = scheduler.decode_steps
             handle = scheduler.submit(long_prompt, [-1] * length, SamplingParams(max_output_len=1))
             while not handle.done:
                 scheduler.step()
             synchronize(device)
             ttft = (handle.first_token_at - handle.submitted_at) * 1e3
+            paced["long_steps_beside"] = scheduler.decode_steps - steps
         else:
             for _ in range(64):
                 scheduler.step()
@@ -219,8 +231,14 @@ def _long_prompt(scheduler: Scheduler, length: int, beside: int) -> dict:
         gaps = [(b - a) * 1e3 for mine in times for a, b in zip(mine, mine[1:]) if window_start <= a and b <= window_end]
         return gaps, ttft
 
+    paced: dict = {}
     solo_gaps, _ = decode_rows(with_long=False)
     during_gaps, during_ttft = decode_rows(with_long=True)
+    pacer = scheduler.pacer
+    if pacer is not None:  # what the chunk budget beside the rows was computed from, at the prompt's end
+        paced.update(long_pacer_rows_alone_ms=pacer.alone_s.get(beside, float("nan")) * 1e3,
+                     long_pacer_unit_us=(pacer.unit_s or float("nan")) * 1e6,
+                     long_pacer_last_budget=pacer.budget(beside, scheduler.chunk_budget(decoding=True)))
     alone = scheduler.submit(long_prompt, [-1] * length, SamplingParams(max_output_len=1))
     while scheduler.step():
         pass
@@ -229,7 +247,7 @@ def _long_prompt(scheduler: Scheduler, length: int, beside: int) -> dict:
             "long_rows_solo_p50_ms": _percentile(solo_gaps, 50), "long_rows_solo_p99_ms": _percentile(solo_gaps, 99),
             "long_rows_during_p50_ms": _percentile(during_gaps, 50),
             "long_rows_during_p99_ms": _percentile(during_gaps, 99),
-            "long_ttft_solo_ms": solo_ttft, "long_ttft_during_ms": during_ttft}
+            "long_ttft_solo_ms": solo_ttft, "long_ttft_during_ms": during_ttft, **paced}
 
 
 def _mixed_steps(scheduler: Scheduler, length: int, beside: int, chunk: int) -> dict:
@@ -468,6 +486,12 @@ def report(result: dict) -> str:
         rows.append(f"{result['long_len']}-position prompt TTFT ms: alone {value('long_ttft_solo_ms', 1)}, while "
                     f"{result['long_beside_rows']} rows decode {value('long_ttft_during_ms', 1)} (x"
                     f"{result['long_ttft_during_ms'] / result['long_ttft_solo_ms']:.2f}, target <= 1.3)")
+        if "long_steps_beside" in result:
+            rows.append(f"  it took {result['long_steps_beside']} steps beside them (mean chunk "
+                        f"{result['long_len'] / max(result['long_steps_beside'], 1):.0f} positions)"
+                        + (f"; pacer at its end: rows alone {value('long_pacer_rows_alone_ms')} ms, "
+                           f"{value('long_pacer_unit_us', 1)} us a chunk_cost unit beside them, budget "
+                           f"{result['long_pacer_last_budget']}" if "long_pacer_last_budget" in result else ""))
     if "mixed_rows_alone_ms" in result:
         rows.append(f"one step, device ms: {result['mixed_rows']} decode rows alone "
                     f"{result['mixed_rows_alone_ms']:.2f}; a {result['mixed_chunk']}-position chunk after P "
@@ -478,6 +502,7 @@ def report(result: dict) -> str:
         rows.append("  the step beside them at the last P by kernel kind, us: "
                     + ", ".join(f"{kind} {us:.0f}" for kind, us in result["breakdown_mixed_kernel_us_by_kind"].items()))
         rows += [f"    {line}" for line in result["breakdown_mixed_top_kernels_us"]]
+    rows += [f"chunk kernel configuration chosen, {line}" for line in result.get("chunk_configs", [])]
     rows += [f"{key}: {result[key]}" for key in sorted(result) if key.endswith("_error")]
     return "\n".join(rows)
 

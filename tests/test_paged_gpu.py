@@ -2,7 +2,7 @@
 
 - the decode and chunk kernels in bfloat16 (and on float8 blocks) within 1e-2 of the gather + SDPA reference in
   float32, on the GPU (their key splits merged by a second kernel or in place, the latter the same on every
-  run);
+  run), every chunk configuration (64 or 128 queries a program) over a long prefix;
 - float32 greedy tokens through captured steps (prompts chunked onto running decode steps, a reused prefix, a
   4k-position prompt) equal the CPU's static cache;
 - float8 KV logits within 5% (relative norm) of bfloat16 KV logits through captured steps;
@@ -30,21 +30,26 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+def _random_cache(blocks: int, block_size: int, groups: int, dim: int, fp8: bool,
+                  generator: torch.Generator) -> PagedKVCache:
+    """One layer of random bfloat16 keys and values on CUDA, or float8 ones stored as value / scale (skips the
+    test where the GPU has no float8)."""
+    if fp8 and not FP8_GPU:
+        pytest.skip("float8 needs compute capability 8.9")
+    data = torch.randn(1, 2, blocks, block_size, groups, dim, device="cuda", generator=generator)
+    if not fp8:
+        return PagedKVCache(data.bfloat16())
+    scales = torch.rand(1, 2, groups, device="cuda", generator=generator) * 0.02 + 0.005
+    return PagedKVCache((data / scales[:, :, None, None, :, None]).clamp(-448, 448).to(FP8_DTYPE), scales)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("groups, per_group, dim", [(32, 1, 128), (8, 4, 128), (2, 3, 80)])
 @torch.inference_mode()
 def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
-    if fp8 and not FP8_GPU:
-        pytest.skip("float8 needs compute capability 8.9")
     generator = torch.Generator("cuda").manual_seed(0)
     block_size, rows, width = 32, 6, 24
-    data = torch.randn(1, 2, rows * width + 1, block_size, groups, dim, device="cuda", generator=generator)
-    scales = None
-    if fp8:
-        scales = torch.rand(1, 2, groups, device="cuda", generator=generator) * 0.02 + 0.005
-        cache = PagedKVCache((data / scales[:, :, None, None, :, None]).clamp(-448, 448).to(FP8_DTYPE), scales)
-    else:
-        cache = PagedKVCache(data.bfloat16())
+    cache = _random_cache(rows * width + 1, block_size, groups, dim, fp8, generator)
     k, v, layer_scales = cache.layer(0)
     tables = (torch.randperm(rows * width, device="cuda", generator=generator) + 1).view(rows, width).int()
     positions = torch.tensor([0, 31, 32, 200, 600, 767], device="cuda")
@@ -74,6 +79,37 @@ def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
         assert relative_error(got[:377], expected[:377]) < 1e-2, f"chunk, {splits} splits"
         assert not got[377:].any()  # queries no tile covers
         assert all(torch.equal(again, got) for again in runs[1:]) and not cache.counters.any()
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("block_m", [64, 128])
+@torch.inference_mode()
+def test_every_chunk_configuration_matches_the_reference_over_a_long_prefix(fp8, block_m):
+    """Each chunk-kernel configuration of ``block_m`` queries a program, in bfloat16 (and on float8 blocks), for
+    an unaligned 389-query chunk after 2,611 cached positions (LLaVA's 32 heads of 128), its keys in 1 to 4
+    splits, merged in place."""
+    generator = torch.Generator("cuda").manual_seed(1)
+    block_size, width, heads, dim, start, count = 16, 188, 32, 128, 2611, 389
+    cache = _random_cache(width + 1, block_size, heads, dim, fp8, generator)
+    k, v, layer_scales = cache.layer(0)
+    tables = (torch.randperm(width, device="cuda", generator=generator) + 1).view(1, width).int()
+    tile = paged_triton.CHUNK_TILE
+    tiles = torch.tensor([[0, o, min(tile, count - o), start + o] for o in range(0, count, tile)], dtype=torch.int32,
+                         device="cuda")
+    query = torch.randn(count, heads, dim, device="cuda", generator=generator).bfloat16()
+    chunk = Chunk(tables, None, None, tiles, ((0, count, start),))
+    expected = paged_attention._chunk_reference(query.float(), k, v, chunk, layer_scales, None)
+    tuned = paged_triton._chunk_tuned
+    saved = tuned.configs, tuned.cache
+    try:
+        for config in (c for c in paged_triton._CHUNK_CONFIGS if c.kwargs["BLOCK_M"] == block_m):
+            tuned.configs, tuned.cache = [config], {}
+            for splits in (1, 2, 4):
+                got = paged_triton.chunk(query, k, v, tables, tiles, layer_scales, None, splits, cache.counters)
+                assert relative_error(got, expected) < 1e-2, f"{config}, {splits} splits"
+                assert not cache.counters.any()
+    finally:
+        tuned.configs, tuned.cache = saved
 
 
 @torch.inference_mode()

@@ -41,6 +41,17 @@ def decode_order(kernels, request):
         kernel.configs, kernel.cache = configs, cache
 
 
+@pytest.fixture(params=[64, 128], ids=["64-query programs", "128-query programs"])
+def chunk_rows(kernels, request):
+    """The chunk kernel runs with its first configuration of this many queries a program (one tile, or half)."""
+    tuned = kernels._chunk_tuned
+    saved = tuned.configs, tuned.cache
+    tuned.configs = [next(c for c in kernels._CHUNK_CONFIGS if c.kwargs["BLOCK_M"] == request.param)]
+    tuned.cache = {}
+    yield request.param
+    tuned.configs, tuned.cache = saved
+
+
 def test_kernels_under_the_triton_interpreter():
     run_under_triton_interpreter(__file__)
 
@@ -101,21 +112,25 @@ def test_decode_kernel_matches_the_reference(kernels, decode_order, dtype, group
 @pytest.mark.parametrize("dtype, groups, per_group, dim, block_size, fp8", SHAPES)
 @pytest.mark.parametrize("splits, window, merged_in_place", [(1, None, False), (1, 11, False), (3, None, False),
                                                              (4, 11, False), (3, None, True), (4, 11, True)])
-def test_chunk_kernel_matches_the_reference(kernels, dtype, groups, per_group, dim, block_size, fp8, splits, window,
-                                            merged_in_place):
+def test_chunk_kernel_matches_the_reference(kernels, chunk_rows, dtype, groups, per_group, dim, block_size, fp8,
+                                            splits, window, merged_in_place):
     """Three sequences of one chunk, two starting after cached positions (one past two whole key tiles, which the
     kernel reads unmasked), with padding after them; the tiles as the step builds them (at most CHUNK_TILE queries
-    each, one unused); with splits, each tile's keys cut into parts merged after, by a second kernel or by each
-    tile's last part (some parts without a key)."""
-    width = -(-150 // block_size)
+    each: a whole one and a short one, one unused), each taken by one program or two (the second of a short tile
+    idle); with splits, each tile's keys cut into parts merged after, by a second kernel or by each program's last
+    part (some parts without a key)."""
+    width = -(-(kernels.CHUNK_TILE + 160) // block_size)
     cache = _cache(dtype, groups, dim, block_size, blocks=3 * width + 1, fp8=fp8)
     tables = _tables(3, width, cache.num_blocks, seed=3)
-    sequences = ((0, 70, 9), (70, 41, 0), (111, 20, 130))  # (first query, count, first position)
+    long = kernels.CHUNK_TILE + 22
+    # (first query, count, first position)
+    sequences = ((0, long, 9), (long, 41, 0), (long + 41, 20, kernels.CHUNK_TILE + 130))
     tile = kernels.CHUNK_TILE
     tiles = [[index, first + offset, min(tile, count - offset), start + offset]
              for index, (first, count, start) in enumerate(sequences) for offset in range(0, count, tile)]
     tiles = torch.tensor(tiles + [[-1, 0, 0, 0]], dtype=torch.int32)
-    query = torch.randn(140, groups * per_group, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
+    covered = long + 61
+    query = torch.randn(covered + 9, groups * per_group, dim, generator=torch.Generator().manual_seed(4)).to(dtype)
     chunk = Chunk(tables=tables, blocks=None, offsets=None, tiles=tiles, sequences=sequences)
     k, v, scales = cache.layer(0)
     expected = paged_attention._chunk_reference(query, k, v, chunk, scales, window)
@@ -124,7 +139,7 @@ def test_chunk_kernel_matches_the_reference(kernels, dtype, groups, per_group, d
         got = kernels.chunk(query, k, v, tables, tiles, scales, window, splits,
                             cache.counters if merged_in_place else None)
         torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
-        assert not got[131:].any()  # padding queries no tile covers
+        assert not got[covered:].any()  # padding queries no tile covers
     assert not cache.counters.any()
 
 

@@ -1,6 +1,7 @@
 """The paged KV cache on the CPU, float32, against the static cache (`Decoder.new_kv_cache`, the path before it):
 paged, chunked and prefix-shared generation give exactly the reference's greedy tokens; blocks are freed, cached
-and reused; copy-on-write; requests wait while the pool is full; beams and sampled rows mixed in."""
+and reused; copy-on-write; requests wait while the pool is full; beams and sampled rows mixed in; the chunks
+beside decoding rows follow the step times fed to the chunk pacer."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.paged_attention import FP8_DTYPE, PagedBatch, PagedKVCache, paged_attention
 from exporter.llm.paged_triton import split_count
+from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, SMALLEST_SHARE, ChunkPacer
 from exporter.runtime.cuda_graphs import Piece, chunk_bucket_sizes
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
 from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, generate
@@ -171,6 +173,41 @@ def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_m
     assert (0, 600) in captured and (1, 600) not in captured and (1, 384) in captured
     # the default cap's buckets: an image prompt of ~600 positions pads to 640, not to the next power of two
     assert chunk_bucket_sizes(2048) == [32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048]
+
+
+def test_the_scheduler_chunks_follow_the_measured_times_and_its_tokens_stay_the_static_caches(model):
+    """The CPU scheduler measures nothing (a step's time there is its launch), so the times are fed: the chunks
+    beside a decoding row are the budgets they give (attention cost left out, so a chunk is its budget), never
+    above the captured largest chunk; fed a slower chunk mid-prompt, the chunks shrink; each decode step read
+    back reports its rows and its chunk's cost."""
+    scheduler = _scheduler(model, block_size=16, max_num_tokens=600, max_slots=2, max_seq_len=1100)
+    assert scheduler.pacer is None
+    scheduler.key_equivalent = float("inf")
+    pacer = scheduler.pacer = ChunkPacer()
+    reads = []
+    pacer.read_back = lambda *args: reads.append(args)  # only fed times count here
+    pacer.measured(1, 0.0, 0.010)
+    pacer.measured(1, 100.0, 0.010 + 100 * 1e-3)  # far slower than allowed (8 positions): the floor
+    assert scheduler.chunk_budget(True, 1) == DECODE_CHUNK_TOKENS // SMALLEST_SHARE
+    pacer.unit_s = 1e-6  # far cheaper: the captured largest chunk
+    assert scheduler.chunk_budget(True, 1) == DECODE_CHUNK_TOKENS
+    pacer.unit_s = (MIXED_STEP_LIMIT - 1) * 0.010 / 200.5  # 200 positions within the limit
+    steps = record_steps(scheduler)
+    short = random_ids(31, 10)
+    decoding = scheduler.submit(_embeds(model, short), short, SamplingParams(max_output_len=40))
+    scheduler.step()
+    beside = random_ids(32, 1000)
+    late = scheduler.submit(_embeds(model, beside), beside, SamplingParams(max_output_len=3))
+    for _ in range(3):
+        scheduler.step()
+    pacer.unit_s = (MIXED_STEP_LIMIT - 1) * 0.010 / 120.5
+    run_until_idle(scheduler)
+    chunks = [chunk for rows, chunk in steps if chunk and rows]
+    assert chunks[:3] == [200, 200, 200] and set(chunks[3:-1]) == {120} and sum(chunks) == 1000
+    assert late.result(timeout=0) == static_greedy(model, _embeds(model, beside), 3)
+    assert decoding.result(timeout=0) == static_greedy(model, _embeds(model, short), 40)
+    mixed = [(rows, cost) for rows, cost, *_ in reads if cost]
+    assert [cost for _, cost in mixed] == chunks and all(rows == 1 for rows, _ in mixed)
 
 
 def test_a_request_takes_no_decode_step_past_its_last_token(model):

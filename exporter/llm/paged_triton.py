@@ -16,8 +16,11 @@ final output, never applied per element. A float8 cache's decode tiles take twic
   ticket it takes from the cache's counters (one kernel a layer: a merge kernel after it costs a launch a layer,
   some 2 µs of a batch-1 step each).
 - `chunk`: query tiles of consecutive prompt positions of one row (a `tiles` table: sequence, first query, count,
-  first position), each attending causally to the row's blocks up to its own position; its key splits (a few
-  tiles over a long prefix) merged the same way, per (tile, head).
+  first position; the host cuts them `CHUNK_TILE` queries long), each attending causally to the row's blocks up to
+  its own position; its key splits (a few tiles over a long prefix) merged the same way, per (tile, head). A
+  program takes `BLOCK_M` queries of a tile (a configuration the autotuner picks: all 128 of it, the keys and
+  values of a head read once per 128 queries with larger tensor-core tiles, or one half of it, twice the
+  programs for a short chunk).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ try:
 except ImportError:  # no Triton: the reference path in exporter.llm.paged_attention runs
     triton = None
 
-CHUNK_TILE = 64  # query positions per chunk-kernel program (the host cuts sequences into tiles of this size)
+CHUNK_TILE = 128  # query positions per chunk tile (the host cuts sequences into tiles of at most this size)
 TUNE_CONTEXT = 1024  # the positions of each decode row while the decode kernel's configurations are timed
 TUNE_PREFIX = 4096  # the cached positions before a chunk while the chunk kernel's configurations are timed
 TUNE_MIN_BLOCKS = 256  # the smallest pool the configurations are timed over (a smaller one stays in the L2 cache)
@@ -128,16 +131,17 @@ def _decode_grid(rows: int, groups: int, splits: int):
 def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales: Tensor | None,
           window: int | None, splits: int = 1, counters: Tensor | None = None) -> Tensor:
     """Causal attention of prompt positions `q [C, heads, d]` over their rows' blocks. `tiles [T, 4]` int32: per
-    program (sequence s or -1, first query index, query count <= CHUNK_TILE, position of that first query);
-    sequence s reads blocks `tables[s]`. With `splits > 1` each tile's keys are cut into that many parts (a few
-    tiles over a long prefix still keep every SM busy), merged as `decode` merges its splits (in place with
-    `counters`, at least `T x heads`). Queries no tile covers come back as zeros. The first call of its kind
-    first times the kernel's configurations on the chunk's queries after `TUNE_PREFIX` cached positions."""
+    tile (sequence s or -1, first query index, query count <= CHUNK_TILE, position of that first query); sequence
+    s reads blocks `tables[s]`. With `splits > 1` each tile's keys are cut into that many parts (a few tiles over a
+    long prefix still keep every SM busy), merged as `decode` merges its splits (in place with `counters`, at
+    least `T x heads` times the programs a tile may take, `CHUNK_TILE / 64`). Queries no tile covers come back as
+    zeros. The first call of its kind first times the kernel's configurations on the chunk's queries after
+    `TUNE_PREFIX` cached positions."""
     q = q.contiguous()
     if q.shape[0] and tiles.shape[0]:
         _tune_first(("chunk", q.shape[1:], q.dtype, k.shape[1:], k.dtype, k.stride(), tables.shape[1],
                      tables.dtype, scales is not None, splits, window is not None,
-                     counters is not None and counters.numel() >= tiles.shape[0] * q.shape[1], q.device),
+                     _merges_in_place(counters, tiles.shape[0], q.shape[1]), q.device),
                     k.shape[0], lambda: _chunk(q, k, v, _spread_tables(tables, k.shape[0]),
                                    _prefix_tiles(q.shape[0], tiles.shape[0], tables.shape[1] * k.shape[1], q.device),
                                    scales, window, splits, counters))
@@ -153,7 +157,7 @@ def _chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scale
         return out
     fp8 = scales is not None
     k_scale, v_scale = (scales[0], scales[1]) if fp8 else (q, q)
-    merge = splits > 1 and counters is not None and counters.numel() >= tiles.shape[0] * heads
+    merge = splits > 1 and _merges_in_place(counters, tiles.shape[0], heads)
     if splits <= 1:
         target, lse, target_strides = out, out, (out.stride(0), out.stride(1), 0)
     else:  # every split's partial output; for a merge kernel, queries no tile covers keep no weight (-inf): zeros
@@ -162,15 +166,22 @@ def _chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scale
         if not merge:
             lse.fill_(float("-inf"))
         target_strides = (target.stride(0), target.stride(1), target.stride(2))
-    _chunk_tuned[(tiles.shape[0], heads, splits)](
+    count = tiles.shape[0]
+    _chunk_tuned[lambda meta: (count * (CHUNK_TILE // meta["BLOCK_M"]), heads, splits)](
         q, k, v, tables, tiles, k_scale, v_scale, target, lse, out, counters if merge else out, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0), *target_strides, tables.shape[1],
         window or 0, _LOG2E / math.sqrt(dim), QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1],
-        BLOCK_M=CHUNK_TILE, SPLITS=splits, FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype),
+        TILE=CHUNK_TILE, SPLITS=splits, FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype),
         MERGE=merge)
     if splits > 1 and not merge:
         _merge(target, lse, out, splits)
     return out
+
+
+def _merges_in_place(counters: Tensor | None, tiles: int, heads: int) -> bool:
+    """Whether ``counters`` hold a ticket for every (program, head) of a chunk of ``tiles`` tiles, whatever number
+    of programs per tile the autotuner picks."""
+    return counters is not None and counters.numel() >= tiles * _CHUNK_PARTS * heads
 
 
 def _tune_first(kind: tuple, pool_blocks: int, representative: Callable[[], object]) -> None:
@@ -385,19 +396,22 @@ if triton is not None:
     def _paged_chunk_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
                             merged_ptr, counters_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                             stride_tr, stride_ot, stride_oh, stride_os, max_blocks, window, scale, QPG: tl.constexpr,
-                            D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
-                            PRECISION: tl.constexpr, MERGE: tl.constexpr):
-        """One (query tile, head, split): causal online softmax over the split's share of the tile's keys (with
-        ``MERGE``, the tile's last split to finish merges them into ``merged_ptr``, laid out as ``q``)."""
-        tile = tl.program_id(0)
+                            D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
+                            WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr):
+        """One (``BLOCK_M`` queries of a ``TILE``-query tile, head, split): causal online softmax over the split's
+        share of those queries' keys (with ``MERGE``, the last split to finish merges them into ``merged_ptr``,
+        laid out as ``q``). A tile's part past its query count does nothing."""
+        program = tl.program_id(0)
+        tile = program // (TILE // BLOCK_M)
+        part = (program % (TILE // BLOCK_M)) * BLOCK_M
         head = tl.program_id(1)
         split = tl.program_id(2)
         sequence = tl.load(tiles_ptr + tile * 4)
-        if sequence >= 0:
-            first = tl.load(tiles_ptr + tile * 4 + 1)
-            count = tl.load(tiles_ptr + tile * 4 + 2)
-            start = tl.load(tiles_ptr + tile * 4 + 3)
+        count = tl.minimum(tl.load(tiles_ptr + tile * 4 + 2) - part, BLOCK_M)
+        if (sequence >= 0) & (count > 0):
+            first = tl.load(tiles_ptr + tile * 4 + 1) + part
+            start = tl.load(tiles_ptr + tile * 4 + 3) + part
             group = head // QPG
             rows = tl.arange(0, BLOCK_M)
             row_ok = rows < count
@@ -446,7 +460,7 @@ if triton is not None:
                 tl.store(lse_ptr + (tokens * tl.num_programs(1) + head) * SPLITS + split, lse, mask=row_ok)
                 if MERGE:
                     tl.debug_barrier()
-                    slot = tile * tl.num_programs(1) + head
+                    slot = program * tl.num_programs(1) + head
                     if tl.atomic_add(counters_ptr + slot, 1, sem="acq_rel") == SPLITS - 1:
                         tl.store(counters_ptr + slot, 0)
                         _merge_splits(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
@@ -476,10 +490,18 @@ if triton is not None:
                                         (256, 4, 3, False), (128, 4, 4, False), (128, 4, 3, True),
                                         (256, 4, 2, True), (256, 8, 2, True), (256, 4, 3, True))
     ]
+    # A chunk over a long prefix is bound by its products (H100, 16k keys: ~227 TFLOP/s with 64-query programs):
+    # 128 queries a program read each head's keys and values half as often in larger tensor-core tiles (8 warps:
+    # a 128 x 128 float32 output takes 64 registers a thread; 128-query tiles of 16-bit queries, and 2-3 stages of
+    # 64-128 keys, stay well within an SM's 228 KB of shared memory; float8 blocks are converted to float16 in
+    # registers). 64-query programs stay candidates: twice the programs for short chunks.
     _CHUNK_CONFIGS = [
-        triton.Config({"BLOCK_N": n}, num_warps=warps, num_stages=stages)
-        for n, warps, stages in ((64, 4, 2), (32, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2), (128, 8, 3))
+        triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+        for m, n, warps, stages in ((64, 64, 4, 2), (64, 32, 4, 2), (64, 64, 4, 3), (64, 64, 8, 3), (64, 128, 8, 2),
+                                    (64, 128, 8, 3), (128, 64, 8, 2), (128, 64, 8, 3), (128, 128, 8, 2),
+                                    (128, 32, 8, 3))
     ]
+    _CHUNK_PARTS = CHUNK_TILE // min(config.kwargs["BLOCK_M"] for config in _CHUNK_CONFIGS)
     # The interpreter (TRITON_INTERPRET=1, CPU checks) cannot time configurations: it runs the first.
     _decode_tuned, _decode_tuned_fp8 = (
         triton.autotune(configs=configs[:1] if _INTERPRETED else configs,

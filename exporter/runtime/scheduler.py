@@ -44,6 +44,7 @@ from ..llm.generate import Answer, BeamSearch, SamplingParams, check_requests
 from ..llm.model import Decoder
 from ..llm.sampling import RowSetup, TokenChooser, host_to_device
 from ..llm.tokenizer import Tokenizer
+from .chunk_pacing import ChunkPacer
 from .cuda_graphs import MAX_PIECES, ForwardStep, LaunchedStep, Piece, activation_bytes
 from .kv_cache import BlockPool, BlockTables, KVCacheOptions, allocate_cache, prefix_keys
 
@@ -187,13 +188,15 @@ class _Launched:
     requests: list[_Running]
     decode: bool
     iteration: int
+    rows: int = 0  # a decode step's rows
+    cost: float = 0.0  # the ``chunk_cost`` of the prompt chunk queued with it
 
 
 DEFAULT_MAX_NUM_TOKENS = 2048  # a lone prompt's chunk: 600-position image prompts in one step, 16k in ~13
-# A step's prompt chunk beside decoding rows: its matrix products are compute-bound (a 7B model: ~14 GFLOP a
-# position, ~9 ms for 384 positions on an H100 at ~600 TFLOP/s; a 16-row decode step takes 7.7 ms, its weight read
-# 4.5 of them, shared), so the decoding rows' step stays within ~1.8x a plain one, while a 16k prompt beside them
-# takes ~70 steps (256: ~107, a time to first token ~1.7x its lone prefill's, over the 1.3x asked).
+# The largest prompt chunk beside decoding rows (the step graphs are captured up to it), its budget until step times
+# are measured (``ChunkPacer``: then what keeps a mixed step within ``MIXED_STEP_LIMIT`` times the rows' own).
+# Its matrix products are compute-bound (a 7B model: ~14 GFLOP a position, ~9 ms for 384 positions on an H100 at
+# ~600 TFLOP/s; a 16-row decode step takes 7.7 ms, its weight read 4.5 of them, shared).
 DECODE_CHUNK_TOKENS = 384
 # Once the server is READY (``capture_in_background``), a background capture starts when the scheduler has had
 # nothing to do this long (requests sent one after another meet no capture; one arriving during a capture waits for
@@ -209,7 +212,8 @@ class Scheduler:
     Callbacks run on the stepping thread; a callback that raises ends its own request with that error.
     ``max_beam_width`` is the widest beam search served (at most ``max_slots``). ``max_num_tokens`` caps the prompt
     positions one step prefills (weighted by the keys they attend to, see ``chunk_cost``; beside decoding rows at
-    most ``decode_chunk_tokens``, ``DECODE_CHUNK_TOKENS`` unless changed, see ``chunk_budget``). ``kv_cache_scales``
+    most ``decode_chunk_tokens``, ``DECODE_CHUNK_TOKENS`` unless changed, and on CUDA what keeps their step within
+    ``MIXED_STEP_LIMIT`` times its time alone, measured, see ``chunk_budget``). ``kv_cache_scales``
     ``[layers, 2, kv_heads]`` sets a float8 cache's scales (default: calibrated on token embeddings).
     ``decode_steps`` counts the decode steps launched and ``steps_queued_ahead`` those launched while the step
     before was still unread; ``prefilled_positions`` the prompt positions computed and ``reused_positions`` those
@@ -235,6 +239,8 @@ class Scheduler:
         self.max_beam_width = max_beam_width
         self.max_num_tokens = max_num_tokens
         self.decode_chunk_tokens = DECODE_CHUNK_TOKENS
+        # the chunk budget beside decoding rows from step times (on CUDA: on the CPU a step's time is its launch)
+        self.pacer = ChunkPacer() if device.type == "cuda" else None
         self.eos_id = eos_id
         self.tokenizer = tokenizer
         self.reuse = options.enable_reuse
@@ -432,7 +438,8 @@ class Scheduler:
         self._iteration += 1
         self._admit()
         decoding = [request for request in self._requests() if request.decoding and request.tokens_left]
-        pieces = self._plan_chunk(self.chunk_budget(bool(decoding)))
+        rows = decoding[-1].first_row + decoding[-1].width if decoding else 0
+        pieces = self._plan_chunk(self.chunk_budget(bool(decoding), rows))
         if decoding or pieces:
             self._launch(decoding, pieces)
         while self._inflight and (self._inflight[0].iteration < self._iteration or not (decoding or pieces)):
@@ -466,7 +473,8 @@ class Scheduler:
             self.steps_queued_ahead += any(launched.decode for launched in self._inflight)
             for request in decoding:
                 request.position += 1
-            self._inflight.append(_Launched(self._count_launch(), decode, decoding, True, self._iteration))
+            cost = sum(chunk_cost(len(piece.embeds), piece.start, self.key_equivalent) for _, piece in pieces)
+            self._inflight.append(_Launched(self._count_launch(), decode, decoding, True, self._iteration, rows, cost))
         launched_at = time.monotonic()
         for index, (request, piece) in enumerate(pieces):
             handle = request.handle
@@ -576,12 +584,16 @@ class Scheduler:
                                        for ids in (targets, sources)))
         return _Running(handle, row, search, seed, blocks, prefilled=reused, registered=blocks.reused)
 
-    def chunk_budget(self, decoding: bool) -> int:
+    def chunk_budget(self, decoding: bool, rows: int = 0) -> int:
         """The prompt positions (``chunk_cost`` units) one step prefills: ``max_num_tokens`` when no row is decoding
         (a lone prompt takes the biggest chunks, the fastest prefill), at most ``decode_chunk_tokens`` beside
-        decoding rows (so that their step, hence their time per token, grows by a bounded share).
-        ``max_num_tokens`` is a hard cap either way."""
-        return min(self.max_num_tokens, self.decode_chunk_tokens) if decoding else self.max_num_tokens
+        decoding rows (the step graphs' largest chunk there), and with ``rows`` (the decode step's rows) and step
+        times measured, what keeps their step within ``MIXED_STEP_LIMIT`` times its time alone (so that their time
+        per token grows by a bounded share; ``ChunkPacer``). ``max_num_tokens`` is a hard cap either way."""
+        if not decoding:
+            return self.max_num_tokens
+        most = min(self.max_num_tokens, self.decode_chunk_tokens)
+        return self.pacer.budget(rows, most) if self.pacer is not None and rows else most
 
     def _plan_chunk(self, budget: int) -> list[tuple[_Running, Piece]]:
         """The next pieces of the admitted prompts, in admission order, within ``budget`` prompt positions (the
@@ -660,7 +672,11 @@ class Scheduler:
 
     def _pick(self, launched: _Launched) -> None:
         """Give each request that took part in ``launched`` and is still running its token or candidates."""
+        waited_from = time.monotonic()
         tokens, values, ids = launched.step.read()
+        if launched.decode and self.pacer is not None:
+            self.pacer.read_back(launched.rows, launched.cost, waited_from, time.monotonic(),
+                                 any(later.decode for later in self._inflight))
         first = launched.step.first
         for request in launched.requests:
             if self.slots[request.first_row] is not request or request.skip_through >= launched.number:
