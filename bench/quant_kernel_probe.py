@@ -88,11 +88,11 @@ def candidates(x, layout, tensors, gated: bool) -> dict:
 
 
 def timed_ms(run, device: torch.device) -> float:
-    """Milliseconds of one run: on CUDA as the engine times its candidates (`gemv._measure`: replayed from a CUDA
+    """Milliseconds of one run: on CUDA as the engine times its candidates (`gemv.measure_ms`: replayed from a CUDA
     graph, the L2 cache overwritten before each run, after one eager run, which tunes and packs), on the CPU one
     wall-clock run."""
     if device.type == "cuda":
-        return gemv._measure(run)
+        return gemv.measure_ms(run)
     start = time.perf_counter()
     run()
     return (time.perf_counter() - start) * 1e3

@@ -5,11 +5,11 @@ weight bytes over memory bandwidth. On CUDA a Triton kernel streams the weight r
 first call of each weight shape times it against cuBLAS and keeps the faster, so it can only help (`fastest`, which
 the quantized products in `exporter.llm.quant` use too). Other shapes, devices and row counts use `F.linear`.
 
-Candidates are timed as a captured decode step runs them (`_measure`): replayed from a CUDA graph, so launch
-overhead does not count, with the L2 cache overwritten before each run, so the weight is read from memory as a
-step reads it. A gated product (fc2 reading a SwiGLU MLP's `[gate; up]`) has each kernel that computes the gate as
-it reads its input twice: so, and after the activation kernel on the plain input (`activation_first`), since
-computing the gate in every output tile's program can cost more than the activation kernel saves.
+Candidates are timed as a captured decode step runs them (`measure_ms`): replayed from a CUDA graph, so launch
+overhead does not count, with what they read evicted from the L2 cache before each run, so the weight comes from
+memory as in a step. A gated product (fc2 reading a SwiGLU MLP's `[gate; up]`) has each kernel that computes the
+gate as it reads its input twice: so, and after the activation kernel on the plain input (`activation_first`),
+since computing the gate in every output tile's program can cost more than the activation kernel saves.
 
 The choices made, and the results of the autotuned kernels registered in `TUNED`, are what
 `exporter.engine.kernel_cache` keeps per engine and GPU: `remember` hands back the choices of an earlier run, so a
@@ -88,7 +88,7 @@ def fastest(key: tuple, candidates: Mapping[str, Callable[[], Tensor]], default:
         elif torch.cuda.is_current_stream_capturing():
             return candidates[default]()
         else:
-            times = {name: _measure(run) for name, run in candidates.items()}
+            times = {name: measure_ms(run) for name, run in candidates.items()}
             choice = _CHOICES[key] = min(times, key=times.__getitem__)
     return candidates[choice]()
 
@@ -98,39 +98,47 @@ def chosen(key: tuple) -> str | None:
     return _CHOICES.get(key)
 
 
-def _measure(run: Callable[[], object], repeats: int = 20, replays: int = 5) -> float:
+def measure_ms(run: Callable[[], object], repeats: int = 20, replays: int = 5) -> float:
     """Milliseconds one `run()` takes on the current GPU as a captured decode step runs it: a CUDA graph of
-    `repeats` runs, each after the L2 cache is overwritten (a step reads each weight once, from memory), less a
-    graph of the overwrites alone; the median of `replays` replays of both. The first run is eager (it tunes
+    `repeats` runs, each after a read of twice the L2 cache's size has evicted what the run read before (a step
+    reads each weight once, from memory; a read leaves no dirty lines to write back during the run, as zeroing a
+    buffer would), less a graph of the evicting reads alone; the median of `replays` replays of both. The first run is eager (it tunes
     kernels and makes the copies a candidate reads). A run that cannot be captured is timed eagerly
     (`triton.testing.do_bench`, which overwrites the L2 cache too)."""
     run()
     device = torch.cuda.current_device()
-    flush = _FLUSH.get(device)
-    if flush is None:
+    evict = _EVICT.get(device)
+    if evict is None:
         size = 2 * max(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0), 64 << 20)
-        flush = _FLUSH[device] = torch.empty(size // 4, dtype=torch.int32, device="cuda")
+        evict = _EVICT[device] = torch.zeros(size // 4, dtype=torch.float32, device=torch.device("cuda", device))
     torch.cuda.synchronize()
     try:
-        timed = _graph_of(lambda: (flush.zero_(), run()), repeats)
-        flushes = _graph_of(flush.zero_, repeats)
+        timed = _graph_of(lambda: (evict.sum(), run()), repeats)
+        evictions = _graph_of(evict.sum, repeats)
     except RuntimeError:  # a candidate that cannot be captured
         torch.cuda.synchronize()
         return triton.testing.do_bench(run, warmup=10, rep=40)
-    differences = sorted(_replay_ms(timed) - _replay_ms(flushes) for _ in range(replays))
+    differences = sorted(_replay_ms(timed) - _replay_ms(evictions) for _ in range(replays))
     return max(differences[replays // 2], 0.0) / repeats
 
 
-# device index -> a buffer of twice the GPU's L2 cache, zeroed before each timed run
-_FLUSH: dict[int, Tensor] = {}
+# device index -> a buffer of twice the GPU's L2 cache, read before each timed run
+_EVICT: dict[int, Tensor] = {}
 
 
 def _graph_of(fn: Callable[[], object], repeats: int) -> torch.cuda.CUDAGraph:
-    """A CUDA graph of `repeats` calls of `fn` (captured on a side stream; another thread may use the device)."""
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-        for _ in range(repeats):
-            fn()
+    """A CUDA graph of `repeats` calls of `fn`, captured on a side stream (another thread may use the device;
+    unlike `torch.cuda.graph`, no garbage collection and no emptying of the allocator's cache each time)."""
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for _ in range(repeats):
+                fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
     return graph
 
 
