@@ -95,16 +95,19 @@ def test_a_lone_candidate_is_not_timed(timings):
     assert timed == []
 
 
-def test_a_packed_copy_stays_where_its_kernel_won_after_the_activation(monkeypatch):
-    """`act+packed` reads the packed copy as `packed` does: the copy made while timing stays."""
+@pytest.mark.parametrize(("copy", "choice", "kept"), [("packed", "act+packed_split", True),
+                                                     ("scaled_mm", "scaled_mm", True), ("scaled_mm", "fused", False)])
+def test_a_copy_stays_where_a_reader_won(monkeypatch, copy, choice, kept):
+    """`act+packed_split` reads the packed copy as `packed_split` does, `scaled_mm` its float32 scales: the copy
+    made while timing stays where its reader was chosen and goes where another candidate was."""
     weight = torch.zeros(4, 8, dtype=torch.uint8)
     key = ("int4_wo", 4, 16, 32, torch.bfloat16, 1, "gated")
-    monkeypatch.setattr(gemv, "_CHOICES", {key: "act+packed_split"})
-    monkeypatch.setitem(kernels._COPIES, "packed", type(kernels._COPIES["packed"])())
-    monkeypatch.setitem(kernels._COPIES_KEPT, "packed", type(kernels._COPIES_KEPT["packed"])())
-    kernels._COPIES["packed"][weight] = ("words",)
+    monkeypatch.setattr(gemv, "_CHOICES", {key: choice})
+    monkeypatch.setitem(kernels._COPIES, copy, type(kernels._COPIES[copy])())
+    monkeypatch.setitem(kernels._COPIES_KEPT, copy, type(kernels._COPIES_KEPT[copy])())
+    kernels._COPIES[copy][weight] = ("copy",)
     kernels._settle_copies(weight, key)
-    assert kernels._COPIES["packed"][weight] == ("words",) and weight in kernels._COPIES_KEPT["packed"]
+    assert (weight in kernels._COPIES[copy]) is kept and (weight in kernels._COPIES_KEPT[copy]) is kept
 
 
 def test_kernels_under_the_triton_interpreter():

@@ -102,9 +102,9 @@ def measure_ms(run: Callable[[], object], repeats: int = 20, replays: int = 5) -
     """Milliseconds one `run()` takes on the current GPU as a captured decode step runs it: a CUDA graph of
     `repeats` runs, each after a read of twice the L2 cache's size has evicted what the run read before (a step
     reads each weight once, from memory; a read leaves no dirty lines to write back during the run, as zeroing a
-    buffer would), less a graph of the evicting reads alone; the median of `replays` replays of both. The first run is eager (it tunes
-    kernels and makes the copies a candidate reads). A run that cannot be captured is timed eagerly
-    (`triton.testing.do_bench`, which overwrites the L2 cache too)."""
+    buffer would), less a graph of the evicting reads alone; the median of `replays` replays of both. The first
+    run is eager (it tunes kernels and makes the copies a candidate reads). A run that cannot be captured is timed
+    eagerly (`triton.testing.do_bench`, which overwrites the L2 cache)."""
     run()
     device = torch.cuda.current_device()
     evict = _EVICT.get(device)

@@ -57,12 +57,13 @@ except ImportError:  # no Triton (CPU-only installs): the reference everywhere
 
 DECODE_ROWS = 8  # up to this many rows the fused kernel accumulates with FMAs; more use tensor cores
 SPLIT_ROWS = 64  # above this many rows the output tiles alone fill the GPU: no split-K candidate
-# candidate -> the copy of an int4 weight in its own layout that it reads ("tinygemm": torch's tiled layout and its
-# scales and offsets, "packed": `pack_int4_words`); the candidates that read each copy
-_COPY_READERS = {"tinygemm": ("tinygemm",), "packed": ("packed", "packed_split")}
-# copy name -> {int4 weight -> its copy}, made when a reader first runs (by identity: a tensor's == is elementwise)
+# copy -> the candidates that read it: a weight's tensors in a form only they read ("tinygemm": an int4 weight in
+# torch's tiled layout and its scales and offsets, "packed": `pack_int4_words`, "scaled_mm": an fp8 weight's scales
+# in float32, as `_scaled_mm` takes them, so a product does not cast them each call)
+_COPY_READERS = {"tinygemm": ("tinygemm",), "packed": ("packed", "packed_split"), "scaled_mm": ("scaled_mm",)}
+# copy name -> {weight -> its copy}, made when a reader first runs (by identity: a tensor's == is elementwise)
 _COPIES = {name: WeakIdKeyDictionary() for name in _COPY_READERS}
-# copy name -> the int4 weights some product chose a reader of that copy for (-> True): those copies stay (a captured
+# copy name -> the weights some product chose a reader of that copy for (-> True): those copies stay (a captured
 # graph may read them)
 _COPIES_KEPT = {name: WeakIdKeyDictionary() for name in _COPY_READERS}
 
@@ -270,8 +271,8 @@ def _tinygemm_fits(layout: QuantLayout, x: Tensor) -> bool:
 
 def _settle_copies(weight: Tensor, key: tuple) -> None:
     """After the product `key` of `weight`: a copy of it that was made for timing (tinygemm's, the packed
-    kernel's) is kept for good if `key` chose a candidate that reads it, else dropped (unless another product of
-    the weight chose one)."""
+    kernel's, `_scaled_mm`'s float32 scales) is kept for good if `key` chose a candidate that reads it (also
+    after the activation kernel), else dropped (unless another product of the weight chose one)."""
     for name, readers in _COPY_READERS.items():
         if weight in _COPIES[name] and weight not in _COPIES_KEPT[name]:
             if (chosen(key) or "").removeprefix(ACTIVATION_FIRST) in readers:
@@ -318,7 +319,8 @@ def _dequant_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tenso
 
 def _fp8_scaled_mm(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
     x_fp8, x_scale = quantize_rows_fp8(x)
-    out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=scale.float()[None, :], out_dtype=x.dtype)
+    weight_scale = _copy_of("scaled_mm", weight, lambda: scale.float()[None, :])
+    out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype)
     return out if bias is None else out + bias
 
 
@@ -530,7 +532,8 @@ if triton is not None:
     def _bench(kernel_call, quantiles):
         """A tile shape's time (for each quantile the autotuner asks) as the candidates are timed: from a CUDA
         graph, the weight evicted from the L2 cache (`gemv.measure_ms`)."""
-        return [measure_ms(kernel_call)] * len(quantiles)
+        ms = measure_ms(kernel_call)
+        return ms if quantiles is None else [ms] * len(quantiles)
 
     def _fits_registers(configs, named_args, **kwargs):
         """FMA tiles whose accumulator (BLOCK_M x BLOCK_N x BLOCK_K float32) stays within 128 registers a
