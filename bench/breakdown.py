@@ -25,7 +25,9 @@ from exporter.runtime.cuda_graphs import ForwardStep, Piece, decode_splits
 
 BLOCK_SIZE = 32
 
-KERNEL_KINDS = (("matmul", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk")),
+KERNEL_KINDS = (("matmul", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk",
+                            # the quantized products' kernels (`exporter.llm.quant.kernels`, torch's int4 kernel)
+                            "_qlinear_kernel", "_packed_kernel", "_dequantize_kernel", "_fp8_rows_kernel", "int4pack")),
                 ("attention", ("fmha", "attention", "flash", "_paged_")),
                 ("fused elementwise (triton)", ("triton",)))
 
