@@ -6,15 +6,17 @@ ms/step and its roofline (the bytes a step must read: the stored weights, their 
 and output head, and the KV cache at the average context, over the copy bandwidth measured in the same run),
 batch-32 decode ms/step, the throughput of 32 concurrent 128-token requests, and the time to first token of one
 prompt of 576 image features + 32 text tokens (the LLM's part: the features are given, the vision encoder's time,
-the same for every method, is in ``llava_bench.py``). On CUDA also a captured graph of a batch-1 step's matrix
-products alone (what the weight bytes cost through the chosen kernels), and which kernel each product shape chose.
+the same for every method, is in ``llava_bench.py``). On CUDA also a captured graph of a batch-1 and of a 32-row
+step's matrix products alone (what the weight bytes cost through the chosen kernels), which kernel each product
+shape chose (printed after each method's row), and with ``--profile`` a kernel profile of one 32-row decode step.
 
 The quantized models are made from the bf16 one on the GPU, one weight at a time; int4_awq calibrates on random
 token ids (this run measures speed; the tests measure accuracy). Prints a table with the issue's targets and
-writes ``$OUT/quant_bench.json``.
+writes ``$OUT/quant_bench.json`` (after each method: a run cut short keeps what it measured).
 
     python bench/quant_bench.py                         # on a CUDA GPU: bf16 and all four methods
     python bench/quant_bench.py --methods int4_wo fp8   # bf16 and a subset
+    python bench/quant_bench.py --methods int8_wo --profile   # and where a bs32 step's time goes, by kernel
     python bench/quant_bench.py --tiny                  # a tiny shape on the CPU in float32: a smoke test
 """
 
