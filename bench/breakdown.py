@@ -25,7 +25,9 @@ from exporter.runtime.cuda_graphs import ForwardStep, Piece, decode_splits
 
 BLOCK_SIZE = 32
 
-KERNEL_KINDS = (("matmul", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk")),
+KERNEL_KINDS = (("matmul", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk",
+                            # the quantized products' kernels (`exporter.llm.quant.kernels`, torch's int4 kernel)
+                            "_qlinear_kernel", "_packed_kernel", "_dequantize_kernel", "_fp8_rows_kernel", "int4pack")),
                 ("attention", ("fmha", "attention", "flash", "_paged_")),
                 ("fused elementwise (triton)", ("triton",)))
 
@@ -49,8 +51,8 @@ def _with_fusion(fused: bool, fn: Callable[[], object]) -> object:
         model_module.FUSE_ON_CUDA = True
 
 
-def _kernel_profile(label: str, fn: Callable[[], object], calls: int = 5) -> dict:
-    """GPU time per call by kernel kind, kernel counts, and the most expensive kernels."""
+def _kernel_profile(label: str, fn: Callable[[], object], calls: int = 5, top: int = 10) -> dict:
+    """GPU time per call by kernel kind, kernel counts, and the `top` most expensive kernels."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
@@ -72,7 +74,7 @@ def _kernel_profile(label: str, fn: Callable[[], object], calls: int = 5) -> dic
     kernels.sort(reverse=True)
     return {f"breakdown_{label}_kernel_us_by_kind": {k: round(v, 1) for k, v in by_kind.items()},
             f"breakdown_{label}_kernel_count_by_kind": {k: round(v, 1) for k, v in counts.items()},
-            f"breakdown_{label}_top_kernels_us": [f"{us:8.1f} us x{n:5.1f} {name}" for us, n, name in kernels[:10]]}
+            f"breakdown_{label}_top_kernels_us": [f"{us:8.1f} us x{n:5.1f} {name}" for us, n, name in kernels[:top]]}
 
 
 def prefill_breakdown(decoder: Decoder, length: int) -> dict:

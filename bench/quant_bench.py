@@ -6,15 +6,17 @@ ms/step and its roofline (the bytes a step must read: the stored weights, their 
 and output head, and the KV cache at the average context, over the copy bandwidth measured in the same run),
 batch-32 decode ms/step, the throughput of 32 concurrent 128-token requests, and the time to first token of one
 prompt of 576 image features + 32 text tokens (the LLM's part: the features are given, the vision encoder's time,
-the same for every method, is in ``llava_bench.py``). On CUDA also a captured graph of a batch-1 step's matrix
-products alone (what the weight bytes cost through the chosen kernels), and which kernel each product shape chose.
+the same for every method, is in ``llava_bench.py``). On CUDA also a captured graph of a batch-1 and of a 32-row
+step's matrix products alone (what the weight bytes cost through the chosen kernels), which kernel each product
+shape chose (printed after each method's row), and with ``--profile`` a kernel profile of one 32-row decode step.
 
 The quantized models are made from the bf16 one on the GPU, one weight at a time; int4_awq calibrates on random
 token ids (this run measures speed; the tests measure accuracy). Prints a table with the issue's targets and
-writes ``$OUT/quant_bench.json``.
+writes ``$OUT/quant_bench.json`` (after each method: a run cut short keeps what it measured).
 
     python bench/quant_bench.py                         # on a CUDA GPU: bf16 and all four methods
     python bench/quant_bench.py --methods int4_wo fp8   # bf16 and a subset
+    python bench/quant_bench.py --methods int8_wo --profile   # and where a bs32 step's time goes, by kernel
     python bench/quant_bench.py --tiny                  # a tiny shape on the CPU in float32: a smoke test
 """
 
@@ -27,6 +29,7 @@ import torch
 from llava_bench import (
     FULL,
     IMAGE_FEATURES,
+    PROMPT_TOKENS,
     TINY,
     _measure_decode,
     _measure_throughput,
@@ -37,9 +40,11 @@ from llava_bench import (
 
 from exporter.llm import gemv
 from exporter.llm.config import QUANT_METHODS, DecoderConfig, QuantConfig
+from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder
 from exporter.llm.quant import QuantLinear
 from exporter.llm.quant.convert import quantize_decoder_weights
+from exporter.runtime.scheduler import Scheduler
 
 # the issue's targets on the H100: batch-1 decode ms/step
 DECODE_TARGET_MS = {"int8_wo": 2.8, "fp8": 2.8, "int4_wo": 1.6, "int4_awq": 1.6}
@@ -71,16 +76,16 @@ def stored_gb(decoder: Decoder) -> float:
     return sum(t.numel() * t.element_size() for t in decoder.state_dict().values()) / 1e9
 
 
-def products_ms(decoder: Decoder) -> float:
-    """A captured graph of a batch-1 decode step's matrix products alone (each layer's four modules and the
-    head, with the kernels they chose; fc2 reads fc1's `[gate; up]` as in the step, so where its kernel does not
-    compute SwiGLU itself the activation kernel is in), replayed: the floor the weight bytes set through these
-    kernels."""
+def products_ms(decoder: Decoder, rows: int) -> float:
+    """A captured graph of a `rows`-row decode step's matrix products alone (each layer's four modules and the
+    head, with the kernels they chose at this row count; fc2 reads fc1's `[gate; up]` as in the step, so where its
+    kernel does not compute SwiGLU itself the activation kernel is in), replayed: the floor the weight bytes set
+    through these kernels."""
     from breakdown import _per_call_ms
 
     c = decoder.config
-    hidden = torch.randn(1, c.hidden_size, device=decoder.device, dtype=decoder.dtype)
-    gate_up = torch.randn(1, 2 * c.ffn_hidden_size, device=decoder.device, dtype=decoder.dtype)
+    hidden = torch.randn(rows, c.hidden_size, device=decoder.device, dtype=decoder.dtype)
+    gate_up = torch.randn(rows, 2 * c.ffn_hidden_size, device=decoder.device, dtype=decoder.dtype)
 
     def products() -> None:
         for layer in decoder.decoder.layers:
@@ -97,7 +102,33 @@ def products_ms(decoder: Decoder) -> float:
     return _per_call_ms(graph.replay)
 
 
-def measure(name: str, decoder: Decoder, device: torch.device, copy_tbps: float, tiny: bool) -> dict:
+def decode_step_profile(decoder: Decoder, batch: int, device: torch.device) -> dict:
+    """A torch.profiler breakdown of one `batch`-row decode step through the scheduler (captured steps; eager
+    where the profiler sees no kernel of the graphs): GPU us a step by kernel kind, and the top kernels."""
+    from breakdown import _kernel_profile
+
+    context = PROMPT_TOKENS + IMAGE_FEATURES
+    prompt = torch.randn(batch, context, decoder.config.hidden_size, device=device, dtype=decoder.dtype) * 0.02
+    profile: dict = {}
+    for graphs in (True, False):
+        scheduler = Scheduler(decoder, max_slots=batch, max_seq_len=context + 64, eos_id=None,
+                              use_cuda_graphs=graphs)
+        for row in prompt:
+            scheduler.submit(row, [-1] * context, SamplingParams(max_output_len=32))
+        while scheduler.prefilling or scheduler.waiting:
+            scheduler.step()
+        scheduler.step()  # captures the step (and times any candidate not seen yet)
+        profile = _kernel_profile(f"decode_bs{batch}", scheduler.step, calls=5, top=15)
+        profile["profiled"] = "captured step" if graphs else "eager step"
+        while scheduler.step():
+            pass
+        if sum(profile[f"breakdown_decode_bs{batch}_kernel_us_by_kind"].values()) > 0:
+            break
+    return profile
+
+
+def measure(name: str, decoder: Decoder, device: torch.device, copy_tbps: float, tiny: bool,
+            profile: bool) -> dict:
     result = {"method": name, "copy_TBps": copy_tbps, "weight_GB": stored_gb(decoder)}
     start = time.perf_counter()
     _measure_decode(result, None, decoder, 1, device, tiny)
@@ -106,24 +137,40 @@ def measure(name: str, decoder: Decoder, device: torch.device, copy_tbps: float,
     features = torch.randn(1, IMAGE_FEATURES, decoder.config.hidden_size, device=device, dtype=decoder.dtype) * 0.02
     _measure_ttft(result, None, decoder, lambda pixels: features, 0, 1, device, decoder.dtype)
     if device.type == "cuda":
-        result["products_ms_bs1"] = products_ms(decoder)
+        for rows in (1, 32):
+            result[f"products_ms_bs{rows}"] = products_ms(decoder, rows)
+        if profile:
+            result.update(decode_step_profile(decoder, 32, device))
     result["measure_s"] = time.perf_counter() - start
     return result
 
 
-def run(tiny: bool, methods: list[str]) -> dict:
+def run(tiny: bool, methods: list[str], profile: bool = False) -> dict:
+    """Measures bf16, then each of `methods`: after each, prints its row and the kernels its products chose and
+    saves the summary so far (a run its time limit cuts short keeps what it measured)."""
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     shape = TINY if tiny else FULL
     summary: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                     "torch": torch.__version__, "dtype": str(dtype), "rows": []}
+                     "torch": torch.__version__, "dtype": str(dtype), "rows": [], "kernel_choices": {}}
     summary["copy_TBps"] = copy_bandwidth(device, 2 * 1024**3 // (64 if tiny else 1))
     config, weights = random_weights(shape, device, dtype)
     print(HEADER, flush=True)
+
+    def record(row: dict) -> None:
+        summary["rows"].append(row)
+        made = {key: name for key, name in gemv.choices().items() if key not in summary["kernel_choices"]}
+        summary["kernel_choices"].update(made)
+        print(report_row(row), flush=True)
+        if made:
+            print(report_choices(made), flush=True)
+        if "breakdown_decode_bs32_top_kernels_us" in row:
+            print(report_profile(row), flush=True)
+        save_result("quant_bench", summary)
+
     with torch.inference_mode():
-        summary["rows"].append(measure("bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch."),
-                                       Decoder.from_state_dict(config, weights), device, summary["copy_TBps"], tiny))
-        print(report_row(summary["rows"][-1]), flush=True)
+        record(measure("bf16" if dtype == torch.bfloat16 else str(dtype).removeprefix("torch."),
+                       Decoder.from_state_dict(config, weights), device, summary["copy_TBps"], tiny, profile))
         length = CALIBRATION_LENGTH // (8 if tiny else 1)
         calibration = torch.randint(100, config.vocab_size - 1, (CALIBRATION_ROWS, length),
                                     generator=torch.Generator().manual_seed(0))
@@ -136,21 +183,20 @@ def run(tiny: bool, methods: list[str]) -> dict:
             quantize_s = time.perf_counter() - start
             del stored
             try:
-                row = measure(method, decoder, device, summary["copy_TBps"], tiny)
+                row = measure(method, decoder, device, summary["copy_TBps"], tiny, profile)
             except Exception as error:  # noqa: BLE001 - one method's failure must not cost the others' rows
                 row = {"method": method, "error": repr(error)[:500]}
             row["quantize_s"] = quantize_s
-            summary["rows"].append(row)
-            print(report_row(row), flush=True)
+            record(row)
             del decoder
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    summary["kernel_choices"] = gemv.choices()
     return summary
 
 
 COLUMNS = (("decode bs1 ms", "decode_ms_bs1_ours"), ("roofline ms", "decode_ms_bs1_roofline"),
            ("products ms", "products_ms_bs1"), ("decode bs32 ms", "decode_ms_bs32_ours"),
+           ("products bs32 ms", "products_ms_bs32"),
            ("32x128 tok/s", "throughput_tok_s_ours"), ("TTFT ms", "ttft_ms_ours"), ("weights GB", "weight_GB"))
 
 
@@ -187,9 +233,28 @@ def report(summary: dict) -> str:
             checks.append(f"TTFT {row['ttft_ms_ours']:.2f} < bf16 {base['ttft_ms_ours']:.2f} ms: "
                           f"{_verdict(row['ttft_ms_ours'] < base['ttft_ms_ours'])}")
         lines.append(f"  {method:9} " + "; ".join(checks))
-    lines.append("kernel choices (method N K group dtype rows [gated: fc2 computing SwiGLU] -> kernel):")
-    lines.extend(f"  {key} -> {name}" for key, name in sorted(summary["kernel_choices"].items()))
+    for row in summary["rows"]:
+        if "products_ms_bs32" in row:
+            lines.append(f"  {row['method']:9} bs32 step outside its products "
+                         f"{row['decode_ms_bs32_ours'] - row['products_ms_bs32']:.2f} ms "
+                         f"(bs1: {row['decode_ms_bs1_ours'] - row['products_ms_bs1']:.2f} ms)")
+    lines.append(report_choices(summary["kernel_choices"]))
     return "\n".join(lines)
+
+
+def report_choices(choices: dict[str, str]) -> str:
+    """The kernel each product key chose (`act+` names: fc2's activation kernel, then that plain kernel)."""
+    return "\n".join(["kernel choices (method N K group dtype rows [gated: fc2 reading [gate; up]] -> kernel):",
+                      *(f"  {key} -> {name}" for key, name in sorted(choices.items()))])
+
+
+def report_profile(row: dict) -> str:
+    """A method's bs32 decode step by kernel: us a step by kind, then the top kernels."""
+    by_kind = row["breakdown_decode_bs32_kernel_us_by_kind"]
+    kinds = ", ".join(f"{kind} {us / 1e3:.2f}" for kind, us in sorted(by_kind.items(), key=lambda item: -item[1]))
+    return "\n".join([f"{row['method']} bs32 decode step ({row['profiled']}), GPU ms a step: "
+                      f"total {sum(by_kind.values()) / 1e3:.2f}; {kinds}",
+                      *(f"  {line}" for line in row["breakdown_decode_bs32_top_kernels_us"])])
 
 
 def _verdict(ok: bool) -> str:
@@ -201,9 +266,10 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test, no timing value)")
     parser.add_argument("--methods", nargs="+", choices=QUANT_METHODS, default=list(QUANT_METHODS),
                         help="methods to measure beside bf16 (default: all)")
+    parser.add_argument("--profile", action="store_true",
+                        help="also a torch.profiler breakdown of one bs32 decode step per method (CUDA)")
     args = parser.parse_args()
-    summary = run(args.tiny, args.methods)
-    save_result("quant_bench", summary)
+    summary = run(args.tiny, args.methods, args.profile)
     print(report(summary))
 
 

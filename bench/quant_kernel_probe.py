@@ -33,14 +33,19 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from llava_bench import copy_bandwidth, save_result  # noqa: E402
 
+from exporter.llm import gemv  # noqa: E402
 from exporter.llm.config import QUANT_METHODS, QuantConfig  # noqa: E402
+from exporter.llm.model import _activate  # noqa: E402
 from exporter.llm.quant import kernels  # noqa: E402
 from exporter.llm.quant.formats import QuantLayout, dequantize, quantize  # noqa: E402
 
 SHAPES = {"qkv": (12288, 4096), "o": (4096, 4096), "fc1": (22016, 4096), "fc2": (4096, 11008),
-          "lm_head": (32000, 4096)}
+          "fc2_gated": (4096, 11008), "lm_head": (32000, 4096)}
+# shapes whose input is a SwiGLU MLP's `[gate; up]` (twice K wide): fc2 as the engine runs it, its candidates
+# computing silu(gate) * up as they read it and (`act+` names) after the activation kernel
+GATED = {"fc2_gated"}
 ROWS = (1, 8, 32, 608)
-TINY_SHAPES = {"qkv": (96, 64), "fc2": (40, 100)}
+TINY_SHAPES = {"qkv": (96, 64), "fc2": (40, 100), "fc2_gated": (40, 100)}
 TINY_ROWS = (1, 9)
 TOP_CONFIGS = 3
 # candidate -> rows -> the autotuned kernel it runs
@@ -51,36 +56,46 @@ TUNED = {"fused": lambda rows: kernels._TUNED_KERNELS[rows > kernels.DECODE_ROWS
          "packed": lambda rows: kernels._TUNED_PACKED[False], "packed_split": lambda rows: kernels._TUNED_PACKED[True]}
 
 
-def candidates(x, layout, tensors) -> dict:
-    """The products `quantized_linear` chooses among for this input, by name. Under the interpreter (which cannot
-    autotune: it times nothing) the reference and the fused kernel whole-K and split, and for int4 the packed
-    kernel whole-K and split, at their spaces' first tile shape."""
+def gated_silu(h: torch.Tensor) -> torch.Tensor:
+    """The engine's SwiGLU activation kernel on `[gate; up]` rows."""
+    return _activate(h, "swiglu", True, "none")
+
+
+def candidates(x, layout, tensors, gated: bool) -> dict:
+    """The products `quantized_linear` chooses among for this input, by name (`gated`: x is `[gate; up]`). Under
+    the interpreter (which cannot autotune: it times nothing) the reference and the fused kernel whole-K and
+    split, and for int4 the packed kernel whole-K and split, at their spaces' first tile shape (gated: each also
+    after the activation, as `act+<name>`)."""
+    activation = gated_silu if gated else None
     if x.is_cuda:
-        return kernels.candidates(x, layout, *tensors, None, torch.cuda.get_device_capability(x.device))
-    found = {"dequant": functools.partial(kernels.reference_linear, x, layout, *tensors)}
+        return kernels.candidates(x, layout, *tensors, None, torch.cuda.get_device_capability(x.device), activation)
+    products = {}
     for name, split in (("fused", False), ("split", True)):
         config = dict(kernels._TUNED_KERNELS[x.shape[0] > kernels.DECODE_ROWS, split].configs[0].kwargs)
-        found[name] = functools.partial(kernels.fused_linear, x, layout, *tensors, config=config, split=split)
+        products[name] = functools.partial(kernels.fused_linear, layout=layout, weight=tensors[0], scale=tensors[1],
+                                           zero=tensors[2], input_scale=tensors[3], config=config, split=split)
     if layout.int4:
         for name, split in (("packed", False), ("packed_split", True)):
             config = dict(kernels._TUNED_PACKED[split].configs[0].kwargs)
-            found[name] = functools.partial(kernels.packed_linear, x, layout, *tensors, config=config, split=split)
+            products[name] = functools.partial(kernels.packed_linear, layout=layout, weight=tensors[0],
+                                               scale=tensors[1], zero=tensors[2], input_scale=tensors[3],
+                                               config=config, split=split)
+    found = {"dequant": lambda: kernels.reference_linear(gated_silu(x) if gated else x, layout, *tensors)}
+    found.update({name: functools.partial(product, x, gated=gated) for name, product in products.items()})
+    if gated:
+        found.update(gemv.activation_first(products, x, gated_silu))
     return found
 
 
 def timed_ms(run, device: torch.device) -> float:
-    """Milliseconds of one run: a CUDA graph of it replayed (after one eager run, which tunes and packs), on the
-    CPU one wall-clock run."""
-    if device.type != "cuda":
-        start = time.perf_counter()
-        run()
-        return (time.perf_counter() - start) * 1e3
+    """Milliseconds of one run: on CUDA as the engine times its candidates (`gemv.measure_ms`: replayed from a CUDA
+    graph, the L2 cache overwritten before each run, after one eager run, which tunes and packs), on the CPU one
+    wall-clock run."""
+    if device.type == "cuda":
+        return gemv.measure_ms(run)
+    start = time.perf_counter()
     run()
-    torch.cuda.synchronize()
-    try:
-        return kernels.triton.testing.do_bench_cudagraph(run, rep=20)
-    except RuntimeError:  # a candidate that cannot be captured: timed eagerly
-        return kernels.triton.testing.do_bench(run, warmup=5, rep=20)
+    return (time.perf_counter() - start) * 1e3
 
 
 def tuned_configs(kernel) -> list[dict]:
@@ -105,21 +120,24 @@ def probe_shape(method: str, name: str, n: int, k: int, rows_list, device, dtype
     weight_bytes = sum(t.numel() * t.element_size() for t in stored.values())
     dense = dequantize(layout, *tensors[:3])
     rows_out = []
+    gated = name in GATED
     for rows in rows_list:
-        x = torch.randn(rows, k, device=device, dtype=dtype, generator=generator)
-        scaled = x.float() * tensors[3].float() if tensors[3] is not None else x.float()
+        x = torch.randn(rows, 2 * k if gated else k, device=device, dtype=dtype, generator=generator)
+        activated = gated_silu(x) if gated else x
+        scaled = activated.float() * tensors[3].float() if tensors[3] is not None else activated.float()
         reference = scaled @ dense.T
         row = {"method": method, "shape": name, "N": n, "K": k, "rows": rows, "weight_MB": weight_bytes / 1e6,
                "candidates": {}}
         bf16_weight = weight.to(dtype)
-        row["bf16_cublas_ms"] = timed_ms(lambda: F.linear(x, bf16_weight), device)
-        for candidate, run in candidates(x, layout, tensors).items():
+        row["bf16_cublas_ms"] = timed_ms(lambda: F.linear(gated_silu(x) if gated else x, bf16_weight), device)
+        for candidate, run in candidates(x, layout, tensors, gated).items():
             ms = timed_ms(run, device)
             error = ((run().float() - reference).norm() / reference.norm()).item()
             entry = {"ms": ms, "GBps": weight_bytes / ms / 1e6, "copy_fraction": weight_bytes / ms / 1e6 / copy_gbps,
                      "relative_error": error}
-            if candidate in TUNED:
-                entry["best_configs"] = tuned_configs(TUNED[candidate](rows))
+            tuned = candidate.removeprefix(gemv.ACTIVATION_FIRST)
+            if tuned in TUNED:
+                entry["best_configs"] = tuned_configs(TUNED[tuned](rows))
             row["candidates"][candidate] = entry
         best = min(row["candidates"], key=lambda c: row["candidates"][c]["ms"])
         row["best"], row["best_ms"] = best, row["candidates"][best]["ms"]
@@ -157,7 +175,8 @@ def report(summary: dict) -> str:
     for method in dict.fromkeys(row["method"] for row in summary["results"]):
         for rows in summary["rows"]:
             chosen = [r for r in summary["results"] if r["method"] == method and r["rows"] == rows]
-            lines.append(f"{method} at {rows} rows: one step's products (32 layers' qkv+o+fc1+fc2, lm_head) "
+            lines.append(f"{method} at {rows} rows: one step's products (32 layers' qkv+o+fc1+fc2 (gated where "
+                         f"measured), lm_head) "
                          f"{_step_ms(chosen):.3f} ms best vs {_step_ms(chosen, 'bf16_cublas_ms'):.3f} ms bf16")
     errors: dict[str, float] = {}
     for row in summary["results"]:
@@ -172,9 +191,13 @@ def report(summary: dict) -> str:
 
 
 def _step_ms(rows: list[dict], field: str = "best_ms") -> float:
-    """A decode step's products from the per-shape times: 32 layers of the four quantized ones, and the output
-    head once in bf16 (the engine does not quantize it)."""
-    return sum(r["bf16_cublas_ms"] if r["shape"] == "lm_head" else r[field] * 32 for r in rows)
+    """A decode step's products from the per-shape times: 32 layers of the four quantized ones (fc2 reading
+    `[gate; up]` where it was measured, as the engine runs it), and the output head once in bf16 (the engine does
+    not quantize it)."""
+    shapes = {r["shape"] for r in rows}
+    left_out = {"fc2"} if GATED & shapes else set()
+    return sum(r["bf16_cublas_ms"] if r["shape"] == "lm_head" else r[field] * 32
+               for r in rows if r["shape"] not in left_out)
 
 
 def main() -> None:

@@ -272,7 +272,7 @@ def fresh_choices(monkeypatch):
         timed.append(run.__name__)
         return {"cublas": 2.0, "triton": 1.0}[run.__name__]
 
-    monkeypatch.setattr(gemv, "_measure", fake_measure)
+    monkeypatch.setattr(gemv, "measure_ms", fake_measure)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # a CPU build cannot ask
     return timed
 

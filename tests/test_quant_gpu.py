@@ -143,3 +143,16 @@ def test_bfloat16_logits_within_2e_2_of_float32(method):
     limit = 5e-2 if method == "fp8" else 2e-2  # FP8 prefill may round activations too (`_scaled_mm`)
     error = relative_error(logits[torch.bfloat16], logits[torch.float32])
     assert error < limit, f"relative error {error:.3e}"
+
+
+def test_the_candidate_timer_reads_from_memory_without_launch_overhead():
+    """`gemv.measure_ms` as the engine times candidates: reading 32 MB (within an H100's 50 MB L2 cache) takes at
+    least its time at 5 TB/s (above any HBM's bandwidth here: the cache was evicted before the run), about twice
+    reading 16 MB, and a graph of one tiny kernel costs microseconds, not a launch's host time."""
+    from exporter.llm import gemv
+
+    small, large = (torch.ones(n, device="cuda") for n in (4 << 20, 8 << 20))  # 16 and 32 MB of float32
+    large_ms, small_ms = gemv.measure_ms(large.sum), gemv.measure_ms(small.sum)
+    assert large_ms >= (32 << 20) / 5e12 * 1e3, large_ms
+    assert 1.3 < large_ms / small_ms < 2.6, (large_ms, small_ms)
+    assert gemv.measure_ms(lambda: small[:1].add_(1)) < 0.05

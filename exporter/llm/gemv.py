@@ -5,6 +5,12 @@ weight bytes over memory bandwidth. On CUDA a Triton kernel streams the weight r
 first call of each weight shape times it against cuBLAS and keeps the faster, so it can only help (`fastest`, which
 the quantized products in `exporter.llm.quant` use too). Other shapes, devices and row counts use `F.linear`.
 
+Candidates are timed as a captured decode step runs them (`measure_ms`): replayed from a CUDA graph, so launch
+overhead does not count, with what they read evicted from the L2 cache before each run, so the weight comes from
+memory as in a step. A gated product (fc2 reading a SwiGLU MLP's `[gate; up]`) has each kernel that computes the
+gate as it reads its input twice: so, and after the activation kernel on the plain input (`activation_first`),
+since computing the gate in every output tile's program can cost more than the activation kernel saves.
+
 The choices made, and the results of the autotuned kernels registered in `TUNED`, are what
 `exporter.engine.kernel_cache` keeps per engine and GPU: `remember` hands back the choices of an earlier run, so a
 restart times nothing it timed before.
@@ -12,6 +18,7 @@ restart times nothing it timed before.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 
 import torch
@@ -44,8 +51,20 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         return fastest((weight.shape[0], weight.shape[1], weight.dtype), {
             "cublas": lambda: F.linear(x, weight, bias), "triton": lambda: _gemv(x, weight, bias)}, "cublas")
     return fastest((weight.shape[0], weight.shape[1], weight.dtype, "gated"), {
-        "cublas": lambda: F.linear(gated_silu(x), weight, bias), "triton": lambda: _gemv(x, weight, bias, True)},
-        "cublas")
+        "cublas": lambda: F.linear(gated_silu(x), weight, bias), "triton": lambda: _gemv(x, weight, bias, True),
+        **activation_first({"triton": lambda h: _gemv(h, weight, bias)}, x, gated_silu)}, "cublas")
+
+
+# the name prefix of a gated product's candidate that runs the activation kernel, then the plain product
+ACTIVATION_FIRST = "act+"
+
+
+def activation_first(products: Mapping[str, Callable[[Tensor], Tensor]], x: Tensor,
+                     gated_silu: Callable[[Tensor], Tensor]) -> dict[str, Callable[[], Tensor]]:
+    """Candidates of a gated product of `x` (`[gate; up]`): each of `products` (the plain product of an input)
+    on `gated_silu(x)`, named `ACTIVATION_FIRST + name`."""
+    return {ACTIVATION_FIRST + name: functools.partial(lambda product: product(gated_silu(x)), product)
+            for name, product in products.items()}
 
 
 def _runs_gemv(x: Tensor, weight: Tensor) -> bool:
@@ -64,10 +83,12 @@ def fastest(key: tuple, candidates: Mapping[str, Callable[[], Tensor]], default:
         known = _KNOWN.get(key_text(key))
         if known in candidates:
             choice = _CHOICES[key] = known
+        elif len(candidates) == 1:
+            choice = _CHOICES[key] = next(iter(candidates))
         elif torch.cuda.is_current_stream_capturing():
             return candidates[default]()
         else:
-            times = {name: _measure(run) for name, run in candidates.items()}
+            times = {name: measure_ms(run) for name, run in candidates.items()}
             choice = _CHOICES[key] = min(times, key=times.__getitem__)
     return candidates[choice]()
 
@@ -77,9 +98,58 @@ def chosen(key: tuple) -> str | None:
     return _CHOICES.get(key)
 
 
-def _measure(run: Callable[[], Tensor]) -> float:
-    """Milliseconds one run takes on the GPU."""
-    return triton.testing.do_bench(run, warmup=10, rep=40)
+def measure_ms(run: Callable[[], object], repeats: int = 20, replays: int = 5) -> float:
+    """Milliseconds one `run()` takes on the current GPU as a captured decode step runs it: a CUDA graph of
+    `repeats` runs, each after a read of twice the L2 cache's size has evicted what the run read before (a step
+    reads each weight once, from memory; a read leaves no dirty lines to write back during the run, as zeroing a
+    buffer would), less a graph of the evicting reads alone; the median of `replays` replays of both. The first
+    run is eager (it tunes kernels and makes the copies a candidate reads). A run that cannot be captured is timed
+    eagerly (`triton.testing.do_bench`, which overwrites the L2 cache)."""
+    run()
+    device = torch.cuda.current_device()
+    evict = _EVICT.get(device)
+    if evict is None:
+        size = 2 * max(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0), 64 << 20)
+        evict = _EVICT[device] = torch.zeros(size // 4, dtype=torch.float32, device=torch.device("cuda", device))
+    torch.cuda.synchronize()
+    try:
+        timed = _graph_of(lambda: (evict.sum(), run()), repeats)
+        evictions = _graph_of(evict.sum, repeats)
+    except RuntimeError:  # a candidate that cannot be captured
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(run, warmup=10, rep=40)
+    differences = sorted(_replay_ms(timed) - _replay_ms(evictions) for _ in range(replays))
+    return max(differences[replays // 2], 0.0) / repeats
+
+
+# device index -> a buffer of twice the GPU's L2 cache, read before each timed run
+_EVICT: dict[int, Tensor] = {}
+
+
+def _graph_of(fn: Callable[[], object], repeats: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `repeats` calls of `fn`, captured on a side stream (another thread may use the device;
+    unlike `torch.cuda.graph`, no garbage collection and no emptying of the allocator's cache each time)."""
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for _ in range(repeats):
+                fn()
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph
+
+
+def _replay_ms(graph: torch.cuda.CUDAGraph) -> float:
+    """Milliseconds one replay of `graph` takes on the GPU."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def key_text(key: tuple) -> str:

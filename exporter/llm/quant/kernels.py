@@ -6,19 +6,26 @@ bucket) times them and keeps the fastest (`gemv.fastest`), so a candidate can on
 - `fused`: one Triton kernel dequantizes each weight tile in registers and multiplies it, each program one output
   tile over the whole of K. Up to 8 rows (decode) it accumulates with FMAs; more rows use tensor cores (`tl.dot`),
   and so do the `fused_mma` / `split_mma` candidates of 2 to 8 rows (rows padded to a 16-row tile). Autotuned per
-  (N, K, group, rows) over a focused space of tile shapes.
+  (N, K, group, rows) over a focused space of tile shapes. int4 has only the 2-to-8-row tensor-core tiles of it
+  (`packed` is faster elsewhere, or dequantize + cuBLAS above 64 rows).
 - `split` (up to 64 rows): the same kernel with K split over SPLIT_K programs per output tile (a decode step or a
   32-row batch has too few output tiles to keep every SM streaming), each adding its float32 partial sum
   atomically into a zeroed buffer, which is then cast to the activation dtype. SPLIT_K and the tile are
   autotuned.
+- `packed`, `packed_split` (int4, up to 64 rows): tensor-core tiles of a copy of the weight repacked so that one
+  shift and mask of a tile of words gives a whole group (`pack_int4_words`), kept as tinygemm's copy is.
 - `dequant`: a Triton kernel writes the whole weight in the activation dtype, then cuBLAS multiplies.
-- `tinygemm` (int4 with bfloat16 activations, on CUDA builds of torch that have it): torch's
+- `tinygemm` (int4 with bfloat16 activations, up to 8 rows, on CUDA builds of torch that have it): torch's
   `_weight_int4pack_mm` on a copy of the weight repacked into its tiled layout when first timed. The copy is
   dropped if the product chose another candidate, else kept while the weight lives (int4 weights that chose it
   take their bytes twice).
 - `scaled_mm` (FP8 weights on GPUs with FP8, sm_89+): one Triton kernel quantizes the activations to e4m3 per row
   (a program a row: its amax, then the scaled values cast) and `torch._scaled_mm` runs the product on FP8 tensor cores
   (per-row activation and per-channel weight scales).
+
+fc2 of a SwiGLU MLP (`gated_silu`) has each Triton candidate twice: computing `silu(gate) * up` as it reads its
+`[gate; up]` input (every output tile's program computes it again), and as `act+<name>`, the activation kernel
+first, then the plain kernel (`gemv.activation_first`); the others run the activation kernel first.
 
 The kernels read int4 weights as int32 words of eight nibbles (nibble i of word w is column 8w + i, the stored
 byte order), and turn int4 and int8 values into floats with exponent bit tricks (an OR and a subtraction, exact)
@@ -39,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..gemv import chosen, fastest, register_tuned
+from ..gemv import ACTIVATION_FIRST, activation_first, chosen, fastest, measure_ms, register_tuned
 from .formats import FP8_MAX, QuantLayout, dequantize
 
 try:
@@ -50,12 +57,13 @@ except ImportError:  # no Triton (CPU-only installs): the reference everywhere
 
 DECODE_ROWS = 8  # up to this many rows the fused kernel accumulates with FMAs; more use tensor cores
 SPLIT_ROWS = 64  # above this many rows the output tiles alone fill the GPU: no split-K candidate
-# candidate -> the copy of an int4 weight in its own layout that it reads ("tinygemm": torch's tiled layout and its
-# scales and offsets, "packed": `pack_int4_words`); the candidates that read each copy
-_COPY_READERS = {"tinygemm": ("tinygemm",), "packed": ("packed", "packed_split")}
-# copy name -> {int4 weight -> its copy}, made when a reader first runs (by identity: a tensor's == is elementwise)
+# copy -> the candidates that read it: a weight's tensors in a form only they read ("tinygemm": an int4 weight in
+# torch's tiled layout and its scales and offsets, "packed": `pack_int4_words`, "scaled_mm": an fp8 weight's scales
+# in float32, as `_scaled_mm` takes them, so a product does not cast them each call)
+_COPY_READERS = {"tinygemm": ("tinygemm",), "packed": ("packed", "packed_split"), "scaled_mm": ("scaled_mm",)}
+# copy name -> {weight -> its copy}, made when a reader first runs (by identity: a tensor's == is elementwise)
 _COPIES = {name: WeakIdKeyDictionary() for name in _COPY_READERS}
-# copy name -> the int4 weights some product chose a reader of that copy for (-> True): those copies stay (a captured
+# copy name -> the weights some product chose a reader of that copy for (-> True): those copies stay (a captured
 # graph may read them)
 _COPIES_KEPT = {name: WeakIdKeyDictionary() for name in _COPY_READERS}
 
@@ -89,30 +97,48 @@ def candidates(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, ze
     `bench/quant_kernel_probe.py`)."""
     rows, fp8_gpu, gated = x.shape[0], capability >= (8, 9), gated_silu is not None
     tensors = (weight, scale, zero, input_scale, bias)
-    triton_reads_weight = layout.method != "fp8" or fp8_gpu  # Triton converts float8 e4m3 on sm_89+ only
 
     def activated(product, *args, **kwargs):  # a candidate that takes silu(gate) * up made by gated_silu
         if not gated:
             return functools.partial(product, x, *args, **kwargs)
         return lambda: product(gated_silu(x), *args, **kwargs)
 
+    triton_reads_weight = layout.method != "fp8" or fp8_gpu  # Triton converts float8 e4m3 on sm_89+ only
     found = {"dequant": activated(_dequant_linear, layout, *tensors, on_device=triton_reads_weight)}
-    if triton_reads_weight:
-        found["fused"] = functools.partial(fused_linear, x, layout, *tensors, gated=gated)
-        if rows <= SPLIT_ROWS:
-            found["split"] = functools.partial(fused_linear, x, layout, *tensors, split=True, gated=gated)
-        if 1 < rows <= DECODE_ROWS:  # a few rows: the tensor-core tiles too (rows padded to 16)
-            found["fused_mma"] = functools.partial(fused_linear, x, layout, *tensors, dot=True, gated=gated)
-            found["split_mma"] = functools.partial(fused_linear, x, layout, *tensors, split=True, dot=True,
-                                                   gated=gated)
-    if layout.int4 and rows <= SPLIT_ROWS:  # tensor-core tiles of a repacked copy (rows padded to 16)
-        found["packed"] = functools.partial(packed_linear, x, layout, *tensors, gated=gated)
-        found["packed_split"] = functools.partial(packed_linear, x, layout, *tensors, split=True, gated=gated)
-    if capability >= (8, 0) and _tinygemm_fits(layout, x):
+    products = _triton_products(layout, tensors, rows) if triton_reads_weight else {}
+    found.update({name: functools.partial(product, x, gated=gated) for name, product in products.items()})
+    if gated:  # the activation kernel, then the plain kernel: faster where many programs would compute the gate
+        found.update(activation_first(products, x, gated_silu))
+    if capability >= (8, 0) and rows <= DECODE_ROWS and _tinygemm_fits(layout, x):  # slower above (the probe)
         found["tinygemm"] = activated(_tinygemm_linear, layout, *tensors)
     if (layout.method == "fp8" and fp8_gpu and x.dtype == torch.bfloat16
             and layout.in_features % 16 == 0 and layout.out_features % 16 == 0):
         found["scaled_mm"] = activated(_fp8_scaled_mm, weight, scale, bias)
+    return found
+
+
+def _triton_products(layout: QuantLayout, tensors: tuple, rows: int) -> dict[str, Callable[..., Tensor]]:
+    """The Triton candidates of a product of `rows` rows, by name: each `product(x, gated=...)`.
+
+    int4 takes the packed kernel up to 64 rows and the word-tile kernel only as 2-to-8-row tensor-core tiles: the
+    H100 probe (`bench/results/quant_kernel_probe_h100_fifth.json`) found its FMA and split tiles slower than the
+    packed ones at 1 and 32 rows on every LLaVA shape, and its whole-K kernel 2.5 to 3.5x slower than dequantize +
+    cuBLAS at 608 rows; leaving them out saves compiling and timing them."""
+    def kernel(function, **options):
+        return functools.partial(function, layout=layout, weight=tensors[0], scale=tensors[1], zero=tensors[2],
+                                 input_scale=tensors[3], bias=tensors[4], **options)
+
+    found = {}
+    if not layout.int4:
+        found["fused"] = kernel(fused_linear)
+        if rows <= SPLIT_ROWS:
+            found["split"] = kernel(fused_linear, split=True)
+    if 1 < rows <= DECODE_ROWS:  # a few rows: the tensor-core tiles too (rows padded to 16)
+        found["fused_mma"] = kernel(fused_linear, dot=True)
+        found["split_mma"] = kernel(fused_linear, split=True, dot=True)
+    if layout.int4 and rows <= SPLIT_ROWS:  # tensor-core tiles of a repacked copy (rows padded to 16)
+        found["packed"] = kernel(packed_linear)
+        found["packed_split"] = kernel(packed_linear, split=True)
     return found
 
 
@@ -245,11 +271,11 @@ def _tinygemm_fits(layout: QuantLayout, x: Tensor) -> bool:
 
 def _settle_copies(weight: Tensor, key: tuple) -> None:
     """After the product `key` of `weight`: a copy of it that was made for timing (tinygemm's, the packed
-    kernel's) is kept for good if `key` chose a candidate that reads it, else dropped (unless another product of
-    the weight chose one)."""
+    kernel's, `_scaled_mm`'s float32 scales) is kept for good if `key` chose a candidate that reads it (also
+    after the activation kernel), else dropped (unless another product of the weight chose one)."""
     for name, readers in _COPY_READERS.items():
         if weight in _COPIES[name] and weight not in _COPIES_KEPT[name]:
-            if chosen(key) in readers:
+            if (chosen(key) or "").removeprefix(ACTIVATION_FIRST) in readers:
                 _COPIES_KEPT[name][weight] = True
             else:
                 del _COPIES[name][weight]
@@ -293,7 +319,8 @@ def _dequant_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tenso
 
 def _fp8_scaled_mm(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
     x_fp8, x_scale = quantize_rows_fp8(x)
-    out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=scale.float()[None, :], out_dtype=x.dtype)
+    weight_scale = _copy_of("scaled_mm", weight, lambda: scale.float()[None, :])
+    out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype)
     return out if bias is None else out + bias
 
 
@@ -503,7 +530,10 @@ if triton is not None:
         tl.store(s_ptr + tl.program_id(0), scale)
 
     def _bench(kernel_call, quantiles):
-        return triton.testing.do_bench(kernel_call, warmup=5, rep=20, quantiles=quantiles)
+        """A tile shape's time (for each quantile the autotuner asks) as the candidates are timed: from a CUDA
+        graph, the weight evicted from the L2 cache (`gemv.measure_ms`)."""
+        ms = measure_ms(kernel_call)
+        return ms if quantiles is None else [ms] * len(quantiles)
 
     def _fits_registers(configs, named_args, **kwargs):
         """FMA tiles whose accumulator (BLOCK_M x BLOCK_N x BLOCK_K float32) stays within 128 registers a
