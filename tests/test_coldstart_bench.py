@@ -20,6 +20,7 @@ def test_coldstart_bench_runs_and_prints_the_table(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "coldstart_bench.json").read_text())
     assert result["export_s"] > 0 and result["load_old_s"] > 0 and result["load_new_s"] > 0
+    assert result["export_overlap_s"] >= 0  # the phases' spans were read (the tiny shape's may not overlap)
     for start in ("first_start", "restart"):
         measured = result[start]
         assert measured["ready_s"] > 0 and measured["steady_request_s"] > 0, measured
@@ -27,5 +28,5 @@ def test_coldstart_bench_runs_and_prints_the_table(tmp_path):
         assert "READY (since the process started)" in measured["phases"]
     assert "kernel cache" not in json.dumps(result["first_start"]["phases"])  # the CPU keeps no kernel cache
     table = done.stdout
-    assert "restart: process start to READY s" in table and "first start phases:" in table
+    assert "restart: process start to READY s" in table and "export: LLM write beside the perception s" in table and "first start phases:" in table
     assert not list(tmp_path.glob("coldstart-*"))  # the work folder is removed
