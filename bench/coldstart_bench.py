@@ -206,6 +206,7 @@ def serve_and_query(engine: Path, device: str, limits: dict, log: Path, image_si
     inside = [(b[0] - a[0], b[1] - a[1]) for a, b in zip([(0.0, 0.0), *inside], inside)]  # per request
     return {"ready_s": ready, "first_request_s": latencies[0], "steady_request_s": steady,
             "first_over_steady": latencies[0] / steady, "first_request_after_ready_s": first_after_ready,
+            "latencies_s": latencies, "to_first_token_s": [first_token for first_token, _ in inside],
             "first_request_split": split_request(latencies[0], inside[0], new_tokens),
             "steady_request_split": split_request(steady, tuple(map(statistics.median, zip(*inside[-STEADY_OF:]))),
                                                   new_tokens),
@@ -353,7 +354,8 @@ def report(result: dict) -> str:
             row(f"{start.replace('_', ' ')}: first / steady", measured["first_over_steady"], None, "<= 1.2")
             row(f"{start.replace('_', ' ')}: first request sent after READY s", measured["first_request_after_ready_s"])
             first, steady = measured["first_request_split"], measured["steady_request_split"]
-            lines.append(f"    first / steady request: " + ", ".join(
+            lines.append("    each request s: " + " ".join(f"{latency:.3f}" for latency in measured["latencies_s"]))
+            lines.append("    first / steady request: " + ", ".join(
                 f"{part[:-2].replace('_', ' ')} {first[part]:.3f} / {steady[part]:.3f} s"
                 for part in ("to_first_token_s", "later_tokens_s", "outside_scheduler_s")))
     for title, phases in (("export phases", result.get("export_phases")),
