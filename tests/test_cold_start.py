@@ -39,6 +39,7 @@ from exporter.checkpoint import NemoCheckpoint, NemoCheckpointError
 from exporter.engine import writing
 from exporter.engine.writing import stream_tensors, write_tensors
 from exporter.llm import gemv
+from exporter.meta_device import on_meta
 from exporter.models import get_model_type
 from support.media import random_image
 from support.tokenizer_files import tokenizer_file
@@ -522,6 +523,39 @@ def test_export_imports_no_torch_dynamo(vlm, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "False"
     assert (tmp_path / "engine" / LLM_WEIGHTS).is_file()
+
+
+class _Initialised(torch.nn.Module):
+    """A CPU parameter (zeros) that ``nn.init`` then fills: zeros left where the initialisers were skipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1000, device="cpu"))
+        torch.nn.init.normal_(self.weight)
+        torch.nn.init.kaiming_uniform_(self.weight[None])
+
+
+def test_on_meta_builds_without_initialisers_on_its_own_thread_only():
+    """Inside `on_meta` modules hold meta tensors and no initialiser runs; another thread meanwhile builds and
+    initialises as usual (torch's function modes are per thread)."""
+    elsewhere, inside = {}, threading.Event()
+
+    def build_elsewhere():
+        inside.wait()
+        elsewhere["module"], elsewhere["embedding"] = _Initialised(), torch.nn.Embedding(1000, 8)
+
+    thread = threading.Thread(target=build_elsewhere)
+    thread.start()
+    with on_meta():
+        inside.set()
+        thread.join()
+        skipped = _Initialised()
+        built = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    assert all(p.device.type == "meta" for p in built.parameters())
+    assert not skipped.weight.detach().any()
+    assert elsewhere["module"].weight.detach().abs().sum() > 0
+    assert elsewhere["embedding"].weight.device.type == "cpu"
+    assert 0.9 < float(elsewhere["embedding"].weight.detach().std()) < 1.1
 
 
 def test_progress_is_logged_in_quarters_off_a_terminal(caplog):
