@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -58,6 +59,8 @@ PHASE_LINE = re.compile(r"phase (.+?): ([0-9.]+) s(?: \((.*)\))?$")
 COMPILE_CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 STEADY_OF = 3  # steady latency: the median of the last requests (the first ones may meet fresh Triton instances)
 READY_LINE = re.compile(r"READY ([0-9.]+) s after the process started")
+METRIC_LINE = re.compile(r"^(nemo_mm_time_\w+_seconds_(?:sum|count)) ([0-9.e+-]+)$", re.MULTILINE)
+SPAN = re.compile(r"^from ([0-9.]+) to ([0-9.]+) s of the export")  # a phase's span inside the export
 
 
 # --- page cache ------------------------------------------------------------------------------------------------------
@@ -184,13 +187,15 @@ def serve_and_query(engine: Path, device: str, limits: dict, log: Path, image_si
         ready = wait_ready(server, f"http://127.0.0.1:{ports[0]}/v2/models/{MODEL}/ready", log, timeout_s=600,
                            poll_s=0.05) - started
         requests = [_request(seed, image_size, new_tokens) for seed in range(steady_requests + 1)]
-        latencies = []
+        latencies, inside, metrics = [], [], f"http://127.0.0.1:{ports[2]}/metrics"
         with ModelClient(f"127.0.0.1:{ports[0]}", MODEL, inference_timeout_s=600) as client:
             client.wait_for_model(60)  # the client's own set-up (model config) is no part of the first request
-            for inputs in requests:
+            first_after_ready = time.perf_counter() - started - ready
+            for count, inputs in enumerate(requests, 1):
                 began = time.perf_counter()
                 client.infer_batch(**inputs)
                 latencies.append(time.perf_counter() - began)
+                inside.append(scheduler_seconds(metrics, count))
     finally:
         server.terminate()
         try:
@@ -198,8 +203,38 @@ def serve_and_query(engine: Path, device: str, limits: dict, log: Path, image_si
         except subprocess.TimeoutExpired:
             server.kill()
     steady = statistics.median(latencies[-STEADY_OF:])
+    inside = [(b[0] - a[0], b[1] - a[1]) for a, b in zip([(0.0, 0.0), *inside], inside)]  # per request
     return {"ready_s": ready, "first_request_s": latencies[0], "steady_request_s": steady,
-            "first_over_steady": latencies[0] / steady, "phases": server_phases(log.read_text())}
+            "first_over_steady": latencies[0] / steady, "first_request_after_ready_s": first_after_ready,
+            "latencies_s": latencies, "to_first_token_s": [first_token for first_token, _ in inside],
+            "first_request_split": split_request(latencies[0], inside[0], new_tokens),
+            "steady_request_split": split_request(steady, tuple(map(statistics.median, zip(*inside[-STEADY_OF:]))),
+                                                  new_tokens),
+            "phases": server_phases(log.read_text())}
+
+
+def scheduler_seconds(url: str, answered: int, timeout_s: float = 5.0) -> tuple[float, float]:
+    """The server's metrics once they count `answered` requests: the sums of the time to first token (from the
+    request's submission to the scheduler) and of the mean time per later token (`deploy.metrics`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            text = response.read().decode()
+        values = {name: float(value) for name, value in METRIC_LINE.findall(text)}
+        if values.get("nemo_mm_time_to_first_token_seconds_count", 0) >= answered or time.monotonic() > deadline:
+            return (values.get("nemo_mm_time_to_first_token_seconds_sum", 0.0),
+                    values.get("nemo_mm_time_per_output_token_seconds_sum", 0.0))
+        time.sleep(0.02)
+
+
+def split_request(latency: float, sums: tuple[float, float], new_tokens: int) -> dict[str, float]:
+    """A request's latency in parts: in the scheduler to the first token (prefill, and any wait there), the later
+    tokens, and the rest (Triton, the image's decoding and encoding, the client). `sums`: the request's time to
+    first token and mean time per later token, as the server's metrics count them."""
+    first_token, per_token = sums
+    decode = per_token * (new_tokens - 1)
+    return {"latency_s": latency, "to_first_token_s": first_token, "later_tokens_s": decode,
+            "outside_scheduler_s": latency - first_token - decode}
 
 
 def _request(seed: int, image_size: int, new_tokens: int) -> dict[str, np.ndarray]:
@@ -223,6 +258,15 @@ def server_phases(log: str) -> dict[str, str]:
         elif match := READY_LINE.search(line):
             phases["READY (since the process started)"] = f"{float(match[1]):.2f} s"
     return phases
+
+
+def export_overlap(phases: dict[str, str]) -> float | None:
+    """Seconds the LLM weights' write ran while the perception was built (from the export's phase spans)."""
+    spans = {name: SPAN.match(value.split(" (", 1)[-1]) for name, value in phases.items()}
+    perception, written = spans.get("perception"), spans.get("write the LLM weights")
+    if not (perception and written):
+        return None
+    return max(0.0, min(float(perception[2]), float(written[2])) - max(float(perception[1]), float(written[1])))
 
 
 # --- the run ---------------------------------------------------------------------------------------------------------
@@ -260,6 +304,7 @@ def run(args: argparse.Namespace) -> dict:
         result.update(run_child(["export", str(nemo), str(engine), device, json.dumps(limits), dtype],
                                 out / "coldstart_export.log"))
         result["export_phases"] = server_phases((out / "coldstart_export.log").read_text())
+        result["export_overlap_s"] = export_overlap(result["export_phases"])
         print(f"export {result['export_s']:.1f} s", flush=True)
         nemo.unlink()
         for way in ("old", "new"):
@@ -293,6 +338,7 @@ def report(result: dict) -> str:
         lines.append(f"{label:44} {shown:>9} {'' if before is None else f'{before:.2f}':>26} {target:>8}")
 
     row("export s", result.get("export_s"), BEFORE["export_s"], "<= 20")
+    row("export: LLM write beside the perception s", result.get("export_overlap_s"))
     row("export peak RSS GB", result.get("export_peak_rss_GB"))
     row("LLM weights to device, old way s", result.get("load_old_s"))
     row("LLM weights to device, new way s", result.get("load_new_s"))
@@ -306,6 +352,12 @@ def report(result: dict) -> str:
                 BEFORE["first_request_s"] if start == "first_start" else None)
             row(f"{start.replace('_', ' ')}: steady request s", measured["steady_request_s"])
             row(f"{start.replace('_', ' ')}: first / steady", measured["first_over_steady"], None, "<= 1.2")
+            row(f"{start.replace('_', ' ')}: first request sent after READY s", measured["first_request_after_ready_s"])
+            first, steady = measured["first_request_split"], measured["steady_request_split"]
+            lines.append("    each request s: " + " ".join(f"{latency:.3f}" for latency in measured["latencies_s"]))
+            lines.append("    first / steady request: " + ", ".join(
+                f"{part[:-2].replace('_', ' ')} {first[part]:.3f} / {steady[part]:.3f} s"
+                for part in ("to_first_token_s", "later_tokens_s", "outside_scheduler_s")))
     for title, phases in (("export phases", result.get("export_phases")),
                           *((f"{s.replace('_', ' ')} phases", result[s]["phases"]) for s in ("first_start", "restart")
                             if result.get(s))):

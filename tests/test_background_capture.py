@@ -9,6 +9,7 @@ answers are compared with the eager scheduler's.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -47,7 +48,7 @@ def captures(monkeypatch) -> _Captures:
     """Graphs "captured" on the CPU, recorded."""
     records = _Captures()
 
-    def capture(fn, pool):
+    def capture(fn, pool, proceed=None):
         busy = any(scheduler.waiting or any(scheduler.slots) for scheduler in records.schedulers)
         records.append((threading.current_thread().name, busy))
         records.times.append(time.monotonic())
@@ -109,7 +110,7 @@ def test_first_request_graphs_before_ready_the_rest_when_idle(model, captures):
     assert scheduler.capture_stats["before"] == len(first)
     assert scheduler.capture_stats["left"] == len(every) - len(first)
     assert captures == [("MainThread", False)] * len(first)
-    scheduler.capture_after_idle_s = 0.2
+    scheduler.capture_after_idle_s = scheduler.capture_after_ready_s = 0.2
     scheduler.start()
     try:
         time.sleep(1.0)
@@ -158,7 +159,7 @@ def _ready_and_eager(scheduler: Scheduler, monkeypatch, capture) -> None:
     """Captures by ``capture``, every step eager, the server READY at once (a short idle time), the thread started."""
     monkeypatch.setattr(cuda_graphs, "capture", capture)
     monkeypatch.setattr(cuda_graphs.ForwardStep, "_graph_key", lambda *args: None)
-    scheduler.capture_after_idle_s = 0.05
+    scheduler.capture_after_idle_s = scheduler.capture_after_ready_s = 0.05
     scheduler.capture_in_background()
     scheduler.start()
 
@@ -173,7 +174,7 @@ def _wait_until(condition: Callable[[], bool], timeout: float = 30) -> None:
 def test_a_failing_background_capture_leaves_the_steps_eager(model, captures, monkeypatch):
     scheduler = _graphed_scheduler(model, captures)
     scheduler.warm_up(rest_in_background=True)
-    _ready_and_eager(scheduler, monkeypatch, capture=lambda fn, pool: 1 / 0)
+    _ready_and_eager(scheduler, monkeypatch, capture=lambda fn, pool, proceed: 1 / 0)
     try:
         _wait_until(lambda: not scheduler._capture_later)  # gave up after the failure
         embeds, ids, params = _prompts(model)[0]
@@ -183,31 +184,66 @@ def test_a_failing_background_capture_leaves_the_steps_eager(model, captures, mo
         scheduler.stop()
 
 
-def test_a_request_during_the_background_captures_waits_for_one_capture_at_most(model, captures, monkeypatch):
+def test_no_background_capture_until_a_request_after_ready(model, captures, monkeypatch):
+    """READY and idle: the background captures wait for a first request (likely soon after READY) or a long idle
+    time; once a request is answered, the usual short idle time."""
     scheduler = _graphed_scheduler(model, captures)
     scheduler.warm_up(rest_in_background=True)
+    monkeypatch.setattr(cuda_graphs.ForwardStep, "_graph_key", lambda *args: None)  # every step eager here
     before = len(captures)
-    recorded = cuda_graphs.capture
+    done = threading.Event()
+    scheduler.on_captured = done.set
+    scheduler.capture_after_idle_s, scheduler.capture_after_ready_s = 0.05, 600.0
+    scheduler.capture_in_background()
+    scheduler.start()
+    try:
+        time.sleep(1.0)
+        assert len(captures) == before  # READY, idle 20 times the short idle time: no capture yet
+        embeds, ids, params = _prompts(model)[0]
+        scheduler.submit(embeds, ids, params).result(timeout=60)
+        answered = time.monotonic()
+        assert done.wait(60), "the background captures did not follow the request"
+    finally:
+        scheduler.stop()
+    assert min(captures.times[before:]) >= answered
+    assert scheduler.forward.uncaptured() == 0
 
-    def slow_capture(fn, pool):  # a capture that compiles and times kernels: long against a step
-        result = recorded(fn, pool)
-        time.sleep(0.3)
-        return result
+
+def test_a_request_during_a_background_capture_puts_it_off(model, captures, monkeypatch):
+    """A capture under way when a request comes (5 s here, in slices of 0.25 s) stops at its next slice: the
+    request is admitted at once instead of after the capture, which is taken up again at the next idle time."""
+    scheduler = _graphed_scheduler(model, captures)
+    scheduler.warm_up(rest_in_background=True)
+    recorded, starts, slow = cuda_graphs.capture, [], threading.Event()
+    slow.set()
+    done = threading.Event()
+    scheduler.on_captured = done.set
+
+    def slow_capture(fn, pool, proceed):  # a capture that compiles and times kernels: long against a step
+        starts.append(time.monotonic())
+        for _ in range(20 if slow.is_set() else 0):
+            if not proceed():
+                return None
+            time.sleep(0.25)
+        return recorded(fn, pool, proceed)
 
     _ready_and_eager(scheduler, monkeypatch, capture=slow_capture)
     try:
-        _wait_until(lambda: len(captures) > before)  # a background capture started
+        _wait_until(lambda: starts)  # a background capture started
+        put_off = next(key for key in scheduler.forward.graph_keys() if key not in scheduler.forward.graphs)
         embeds, ids, params = _prompts(model)[0]
         submitted = time.monotonic()
         handle = scheduler.submit(embeds, ids, params)
         handle.result(timeout=60)
         answered = time.monotonic()
+        assert put_off not in scheduler.forward.graphs and scheduler.capture_stats["put_off"] == 1
+        slow.clear()
+        assert done.wait(60), "the background captures did not finish"
     finally:
         scheduler.stop()
-    started_meanwhile = [t for t in captures.times[before:] if submitted < t < answered]
-    assert started_meanwhile == []  # the capture under way finished, no other started before the answer
-    assert handle.admitted_at - submitted < 0.3 + 5.0  # at most the one capture (and a loaded machine's slack)
-    assert scheduler.forward.uncaptured() > 0  # the captures had not all happened before the request
+    assert handle.admitted_at - submitted < 2.5  # a slice and a loaded machine's slack, not the 5 s capture
+    assert [t for t in starts if submitted < t < answered] == []  # no capture began while the request ran
+    assert put_off in scheduler.forward.graphs and scheduler.forward.uncaptured() == 0
 
 
 def test_a_step_whose_graph_is_not_captured_yet_runs_a_bigger_captured_bucket(model, captures, monkeypatch):
@@ -222,7 +258,7 @@ def test_a_step_whose_graph_is_not_captured_yet_runs_a_bigger_captured_bucket(mo
         def replay(self):
             self.output.copy_(self.fn())
 
-    def capture(fn, pool):
+    def capture(fn, pool, proceed=None):
         graph = Replayed(fn)
         return graph, graph.output
 
@@ -248,3 +284,37 @@ def test_a_step_whose_graph_is_not_captured_yet_runs_a_bigger_captured_bucket(mo
         scheduler.stop()
     assert scheduler.forward.padded_steps > 0 and scheduler.forward.eager_steps == 0
     assert (2, 0, False, False) not in scheduler.forward.graphs  # nothing captured for it: not READY yet
+
+
+def test_capture_stops_between_its_slices_when_told(monkeypatch):
+    """`capture`'s slices (two warm-up runs on a side stream, then the capture): ``proceed`` is asked before each,
+    and a stop leaves the device's streams joined and nothing captured. CUDA stand-ins record the calls."""
+    calls = []
+
+    class Stream:
+        def wait_stream(self, other):
+            calls.append("join")
+
+    class Graph:
+        pass
+
+    @contextlib.contextmanager
+    def on(stream_or_graph, **kwargs):
+        calls.append("capture" if isinstance(stream_or_graph, Graph) else "side")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+    monkeypatch.setattr(torch.cuda, "graph", on)
+    for allowed in range(4):
+        calls.clear()
+        answers = iter([True] * allowed + [False] * 3)
+        result = cuda_graphs.capture(lambda: calls.append("run"), None, lambda: next(answers))
+        runs = min(allowed, 2)
+        assert calls[:1 + 2 * runs] == ["join"] + ["side", "run"] * runs
+        if allowed < 3:
+            assert result is None and calls[1 + 2 * runs:] == ["join"]
+        else:
+            assert isinstance(result[0], Graph) and calls[5:] == ["join", "capture", "run"]

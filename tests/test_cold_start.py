@@ -15,10 +15,12 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +39,8 @@ from exporter.checkpoint import NemoCheckpoint, NemoCheckpointError
 from exporter.engine import writing
 from exporter.engine.writing import stream_tensors, write_tensors
 from exporter.llm import gemv
+from exporter.meta_device import on_meta
+from exporter.models import get_model_type
 from support.media import random_image
 from support.tokenizer_files import tokenizer_file
 from support.vlm import build_vlm
@@ -481,6 +485,77 @@ def test_export_streams_the_llm_weights_in_the_checkpoint_order(vlm, tmp_path, c
     assert engines["whole order"] == sorted(stored)
     assert engines["streamed"].keys() == engines["whole"].keys()
     assert all(torch.equal(engines["streamed"][k], engines["whole"][k]) for k in engines["whole"])
+
+
+SPAN = re.compile(r"phase (.+?): [0-9.]+ s \(from ([0-9.]+) to ([0-9.]+) s of the export")
+
+
+def test_export_writes_the_llm_weights_while_the_perception_is_built(vlm, tmp_path, caplog, monkeypatch):
+    """The perception (made 3 s slower here) is built on its own thread while the main thread streams the LLM
+    weights: the write begins long before the perception ends, as the phase lines' spans in the export show."""
+    kind = get_model_type("neva")
+    build = kind.build_perception
+
+    def slow_build(*args, **kwargs):
+        time.sleep(3.0)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(kind, "build_perception", slow_build)
+    with caplog.at_level(logging.INFO):
+        export(tmp_path / "engine", vlm.nemo)
+    spans = {match[1]: (float(match[2]), float(match[3]))
+             for match in map(SPAN.search, (r.getMessage() for r in caplog.records)) if match}
+    perception, written = spans["perception"], spans["write the LLM weights"]
+    assert perception[1] - perception[0] >= 3.0
+    assert written[0] < perception[1] - 2.0, spans  # began within a second of the perception's start
+    assert spans["read the checkpoint"][0] == 0.0
+
+
+def test_export_imports_no_torch_dynamo(vlm, tmp_path):
+    """Building the decoder and the vision tower on the meta device initialises nothing: an initialiser run on
+    meta tensors imports torch._dynamo (seconds on a cold start, under the import lock both threads wait on)."""
+    code = ("import sys; from pathlib import Path; from exporter import TensorRTMMExporter; "
+            f"TensorRTMMExporter(Path({str(tmp_path / 'engine')!r}), load_model=False, device='cpu').export("
+            f"Path({str(vlm.nemo)!r}), model_type='neva', dtype='float32', load_model=False, **{LIMITS!r}); "
+            "print('torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "False"
+    assert (tmp_path / "engine" / LLM_WEIGHTS).is_file()
+
+
+class _Initialised(torch.nn.Module):
+    """A CPU parameter (zeros) that ``nn.init`` then fills: zeros left where the initialisers were skipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1000, device="cpu"))
+        torch.nn.init.normal_(self.weight)
+        torch.nn.init.kaiming_uniform_(self.weight[None])
+
+
+def test_on_meta_builds_without_initialisers_on_its_own_thread_only():
+    """Inside `on_meta` modules hold meta tensors and no initialiser runs; another thread meanwhile builds and
+    initialises as usual (torch's function modes are per thread)."""
+    elsewhere, inside = {}, threading.Event()
+
+    def build_elsewhere():
+        inside.wait()
+        elsewhere["module"], elsewhere["embedding"] = _Initialised(), torch.nn.Embedding(1000, 8)
+
+    thread = threading.Thread(target=build_elsewhere)
+    thread.start()
+    with on_meta():
+        inside.set()
+        thread.join()
+        skipped = _Initialised()
+        built = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    assert all(p.device.type == "meta" for p in built.parameters())
+    assert not skipped.weight.detach().any()
+    assert elsewhere["module"].weight.detach().abs().sum() > 0
+    assert elsewhere["embedding"].weight.device.type == "cpu"
+    assert 0.9 < float(elsewhere["embedding"].weight.detach().std()) < 1.1
 
 
 def test_progress_is_logged_in_quarters_off_a_terminal(caplog):

@@ -20,12 +20,19 @@ def test_coldstart_bench_runs_and_prints_the_table(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "coldstart_bench.json").read_text())
     assert result["export_s"] > 0 and result["load_old_s"] > 0 and result["load_new_s"] > 0
+    assert result["export_overlap_s"] >= 0  # the phases' spans were read (the tiny shape's may not overlap)
     for start in ("first_start", "restart"):
         measured = result[start]
         assert measured["ready_s"] > 0 and measured["steady_request_s"] > 0, measured
         assert "LLM weights: read + transfer" in measured["phases"] and "Triton start" in measured["phases"]
         assert "READY (since the process started)" in measured["phases"]
+        split = measured["first_request_split"]  # the server's metrics split the first request's latency
+        assert split["to_first_token_s"] > 0 and split["later_tokens_s"] > 0, split
+        assert abs(sum(split[k] for k in ("to_first_token_s", "later_tokens_s", "outside_scheduler_s"))
+                   - measured["first_request_s"]) < 1e-6
+        assert 0 < measured["steady_request_split"]["to_first_token_s"] < measured["steady_request_s"]
     assert "kernel cache" not in json.dumps(result["first_start"]["phases"])  # the CPU keeps no kernel cache
     table = done.stdout
-    assert "restart: process start to READY s" in table and "first start phases:" in table
+    assert "restart: process start to READY s" in table and "export: LLM write beside the perception s" in table
+    assert "first / steady request: to first token " in table and "first start phases:" in table
     assert not list(tmp_path.glob("coldstart-*"))  # the work folder is removed

@@ -51,7 +51,7 @@ from .errors import EngineError
 from .integrity import AGAIN, MANIFEST, check_files, describe_files, mark_verified, sha256_file
 from .limits import EngineLimits
 from .loading import LoadStats, load_tensors
-from .progress import byte_progress, phase
+from .progress import byte_progress, phase, timeline
 from .writing import stream_tensors, write_tensors
 
 FORMAT_VERSION = 2
@@ -81,7 +81,7 @@ def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *,
     """
     model_dir = Path(model_dir)
     previous = previous_engine(model_dir, delete_existing_files)
-    with staging_folder(model_dir) as staging:
+    with staging_folder(model_dir) as staging, timeline("the export"):
         manifest = _write_engine(staging, visual_checkpoint_path, **options)
         check_files(staging, manifest, verify=False)  # every file listed, of its size, safetensors readable
         mark_verified(staging, manifest["files"])  # the hashes were just taken from these files

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..meta_device import on_meta
 from .config import DecoderConfig
 from .gemv import linear
 from .moe import expert_mlp, route
@@ -501,7 +502,7 @@ class Decoder(nn.Module):
     ) -> Decoder:
         """Build on the meta device and take the given tensors as parameters (cast/moved only if asked; quantized
         weights keep their stored dtype, their scales take `dtype`); `shard`: the tensors are that rank's part."""
-        with torch.device("meta"):
+        with on_meta():
             model = cls(config, shard)
         shapes = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
         expected, given = set(shapes), set(state_dict)

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..meta_device import on_meta
+
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
     "gelu": F.gelu,
@@ -107,7 +109,7 @@ class VisionTransformer(nn.Module):
         on their device in ``dtype``; a missing or extra weight is a ValueError naming it."""
         kept = {name: tensor for name, tensor in weights.items() if not name.startswith(_IGNORED)}
         layers = len({name.split(".")[2] for name in kept if name.startswith("encoder.layers.")})
-        with torch.device("meta"):
+        with on_meta():
             tower = cls(tower_type, config, layers)
         expected = set(tower.state_dict())
         missing, extra = sorted(expected - set(kept)), sorted(set(kept) - expected)

@@ -52,14 +52,26 @@ def decode_splits(rows: int, heads: int, device: torch.device) -> int:
     return split_count(rows * heads, 2 * torch.cuda.get_device_properties(device).multi_processor_count, MAX_SPLITS)
 
 
-def capture(fn: Callable[[], Any], pool: tuple) -> tuple[torch.cuda.CUDAGraph, Any]:
-    """A CUDA graph of ``fn()`` (which reads only static buffers) and its static output."""
+def _always() -> bool:
+    return True
+
+
+def capture(fn: Callable[[], Any], pool: tuple, proceed: Callable[[], bool] = _always
+            ) -> tuple[torch.cuda.CUDAGraph, Any] | None:
+    """A CUDA graph of ``fn()`` (which reads only static buffers) and its static output; None (nothing captured)
+    where ``proceed()``, asked before each of its slices (two warm-up runs, then the capture), says stop."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
+    try:
         for _ in range(2):  # warm-up runs compile, pick kernels and allocate workspaces outside the graph
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
+            if not proceed():
+                return None
+            with torch.cuda.stream(side):
+                fn()
+    finally:
+        torch.cuda.current_stream().wait_stream(side)
+    if not proceed():
+        return None
     graph = torch.cuda.CUDAGraph()
     # thread_local: another thread (an encoder beside a background capture) may use the device meanwhile
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
@@ -393,16 +405,19 @@ class ForwardStep:
         keys = self.first_keys() if first_only else self.graph_keys()
         return sum(self.capture_next(key) for key in keys)
 
-    def capture_next(self, key: tuple[int, int, bool, bool] | None = None) -> bool:
+    def capture_next(self, key: tuple[int, int, bool, bool] | None = None,
+                     proceed: Callable[[], bool] | None = None) -> bool:
         """Capture ``key``'s graph, or the first of ``graph_keys`` not captured yet; False if there was none.
-        Under the same rule as ``capture_all``."""
+        Under the same rule as ``capture_all``. ``proceed``: asked between the capture's slices, it may put the
+        capture off (nothing captured; under tensor parallelism, whose ranks capture together, it is not asked)."""
         if key is None and self.enabled:
             key = next((key for key in self.graph_keys() if key not in self.graphs), None)
         if key is None or key in self.graphs:
             return False
         if self.tp is not None:
             self.tp.send(("capture", self.id, key))
-        self._capture(*key, filler=True)
+            proceed = None
+        self._capture(*key, filler=True, proceed=proceed)
         return True
 
     @property
@@ -417,7 +432,8 @@ class ForwardStep:
             self.cache.copy_blocks_(self.tables[beam_rows, first:stop].flatten().long(),
                                     self.tables[parents, first:stop].flatten().long())
 
-    def _capture(self, rows: int, padded: int, full: bool, lora: bool, filler: bool = False) -> None:
+    def _capture(self, rows: int, padded: int, full: bool, lora: bool, filler: bool = False,
+                 proceed: Callable[[], bool] | None = None) -> None:
         # Capturing runs the step from the current state (writing each row's cache at its own position, as the
         # step will, and past it, where the next steps write): keep the state as it was. Outside a step
         # (``filler``) the chunk is filler (the null block), not the last step's (whose blocks may be cached now).
@@ -426,9 +442,12 @@ class ForwardStep:
             self.longs.zero_()
             self.ints.zero_()
         chunk = self._static_chunk(padded) if padded else None
-        self.graphs[(rows, padded, full, lora)] = capture(lambda: self._compute(rows, chunk, full, 0, lora),
-                                                          self.pool)
-        self.chooser.restore(saved)
+        try:
+            captured = capture(lambda: self._compute(rows, chunk, full, 0, lora), self.pool, proceed or _always)
+        finally:
+            self.chooser.restore(saved)
+        if captured is not None:
+            self.graphs[(rows, padded, full, lora)] = captured
 
     def _compute(self, rows: int, chunk: _ChunkInputs | None, full: bool, span: int, lora: bool = False) -> Tensor:
         """Logits of the decode rows ``[rows, V]`` then of each piece's last position, the rows' tokens chosen.

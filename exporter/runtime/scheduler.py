@@ -198,10 +198,13 @@ DEFAULT_MAX_NUM_TOKENS = 2048  # a lone prompt's chunk: 600-position image promp
 # Its matrix products are compute-bound (a 7B model: ~14 GFLOP a position, ~9 ms for 384 positions on an H100 at
 # ~600 TFLOP/s; a 16-row decode step takes 7.7 ms, its weight read 4.5 of them, shared).
 DECODE_CHUNK_TOKENS = 384
-# Once the server is READY (``capture_in_background``), a background capture starts when the scheduler has had
-# nothing to do this long (requests sent one after another meet no capture; one arriving during a capture waits for
-# that one graph at most).
+# Once the server is READY (``capture_in_background``) and has answered a request, a background capture starts when
+# the scheduler has had nothing to do this long (requests sent one after another meet no capture); with no request
+# since READY, after this long idle (the first request, likely soon after READY, meets no capture). A request
+# arriving during a capture puts it off at the capture's next slice (`cuda_graphs.capture`): it waits for one
+# slice at most, not for the whole capture.
 CAPTURE_AFTER_IDLE_S = 2.0
+CAPTURE_AFTER_READY_S = 30.0
 
 
 class Scheduler:
@@ -274,6 +277,7 @@ class Scheduler:
         self.capture_stats: dict[str, float] = {}  # warm_up's graphs and seconds, before READY and after
         self.on_captured: Callable[[], None] | None = None  # called once the background captures are done
         self.capture_after_idle_s = CAPTURE_AFTER_IDLE_S
+        self.capture_after_ready_s = CAPTURE_AFTER_READY_S
         self._capture_later = False
         self._capture_from: float | None = None  # when background captures were allowed (None: not yet)
 
@@ -343,9 +347,10 @@ class Scheduler:
         """Capture the step graphs now (CUDA), so that no request waits for one (seconds; the graphs share one
         memory pool): all of them, or with ``rest_in_background`` those a first request runs
         (``ForwardStep.first_keys``), the others then captured one at a time by the scheduler's thread, once
-        ``capture_in_background`` was called, whenever it has been idle for ``capture_after_idle_s`` (a step
-        meanwhile runs a bigger bucket's graph, else eagerly; a request arriving during a capture waits for that one
-        graph at most)."""
+        ``capture_in_background`` was called, whenever it has been idle for ``capture_after_idle_s`` since a
+        request (``capture_after_ready_s`` while none came since then). A step meanwhile runs a bigger bucket's
+        graph, else eagerly; a request arriving during a capture puts it off at its next slice (taken up again at
+        the next idle time)."""
         started = time.perf_counter()
         self.forward.chunk_beside_rows = self.chunk_budget(decoding=True)
         self.forward.capture_on_demand = not rest_in_background
@@ -364,13 +369,14 @@ class Scheduler:
                 self._wake.notify()
 
     def _loop(self) -> None:
-        busy_until = time.monotonic()
+        busy_until, served = time.monotonic(), False  # served: a step ran since capture_in_background
         while True:
             with self._wake:
                 while not self._stopping and not self.waiting and not self._inflight and not any(self.slots):
                     wait = None
                     if self._capture_later and self._capture_from is not None:
-                        wait = max(busy_until, self._capture_from) + self.capture_after_idle_s - time.monotonic()
+                        idle_s = self.capture_after_idle_s if served else self.capture_after_ready_s
+                        wait = max(busy_until, self._capture_from) + idle_s - time.monotonic()
                     if wait is not None and wait <= 0:
                         break
                     self._wake.wait(wait)
@@ -384,25 +390,27 @@ class Scheduler:
                 self.step()
             except Exception as error:  # noqa: BLE001 - a failed step fails the requests in it, not the loop
                 self._fail_all(error)
-            busy_until = time.monotonic()
+            busy_until, served = time.monotonic(), served or self._capture_from is not None
 
     def _capture_one(self) -> None:
-        """Capture the next step graph ``warm_up`` left for later (the scheduler idle); the last one logged and
-        ``on_captured`` called."""
-        started = time.perf_counter()
+        """Capture the next step graph ``warm_up`` left for later (the scheduler idle; put off if a request comes
+        meanwhile); the last one logged and ``on_captured`` called."""
+        started, graphs = time.perf_counter(), self.forward.graph_count
         try:
             with torch.inference_mode():
-                self._capture_later = self.forward.capture_next()
+                self._capture_later = self.forward.capture_next(proceed=lambda: not self.waiting)
         except Exception as error:  # noqa: BLE001 - the steps left run eagerly: slower, still right
             LOGGER.warning("background capture of the step graphs stopped: %s: %s", type(error).__name__, error)
             self._capture_later = False
         stats = self.capture_stats
         if self._capture_later:
-            stats["after"] = stats.get("after", 0) + 1
+            done = self.forward.graph_count > graphs
+            stats["after" if done else "put_off"] = stats.get("after" if done else "put_off", 0) + 1
             stats["after_s"] = stats.get("after_s", 0.0) + time.perf_counter() - started
             return
-        LOGGER.info("phase capture the other step graphs (in the background, after READY): %.2f s (%d graphs)",
-                    stats.get("after_s", 0.0), stats.get("after", 0))
+        LOGGER.info("phase capture the other step graphs (in the background, after READY): %.2f s (%d graphs, "
+                    "%d put off for a request)", stats.get("after_s", 0.0), stats.get("after", 0),
+                    stats.get("put_off", 0))
         if self.on_captured is not None:
             self.on_captured()
 
