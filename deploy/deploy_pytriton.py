@@ -12,6 +12,12 @@ Around Triton:
 - Ready means a request succeeds: the warm-up request runs before anything is bound, and the models are written
   into Triton's repository before Triton starts, so Triton opens its ports (and `/v2/health/ready` answers 200)
   only once every model is loaded.
+- Ready means the first request is not slow either: once Triton is up, `run` sends the warm-up request through
+  Triton itself over loopback (one per instance, and one through the streaming model), so that Triton's and
+  PyTriton's path to the model is warm before `run` returns and the server says READY (the OpenAI front's
+  `/health/ready`, the script's READY line). Triton's own ready endpoints answer 200 a moment earlier: Triton
+  reports ready before PyTriton connects to it, and that cannot be held. A failed warm-up through Triton is
+  logged and the server serves on; its requests are not counted in the metrics.
 - A failed request reaches its client as one line with a status: 400 bad input, 500 server fault, 503 stopping
   (`deploy.triton_errors`, applied inside Triton by `deploy/triton_stub_model.py`); the log keeps the traceback.
 - Triton and its backend processes die with this process, even on SIGKILL, and leave no shared memory behind
@@ -28,9 +34,11 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+from pytriton.client import DecoupledModelClient, ModelClient
 from pytriton.constants import PYTRITON_HOME
 from pytriton.model_config import ModelConfig
 from pytriton.triton import Triton, TritonConfig, TritonLifecyclePolicy
@@ -54,7 +62,7 @@ from deploy.triton_errors import (
     RequestFailed,
     client_failure,
 )
-from wire import default_warmup_request, stream_model_name
+from wire import InferRequest, default_warmup_request, stream_model_name
 
 LOGGER = logging.getLogger(__name__)
 
@@ -62,6 +70,8 @@ LOGGER = logging.getLogger(__name__)
 _LOCAL_MODELS = TritonLifecyclePolicy(launch_triton_on_startup=False, local_model_store=True)
 _MONITOR_INTERVAL_S = 0.5
 _BACKEND_FILES = {"model.py": "triton_stub_model.py", "triton_errors.py": "triton_errors.py"}
+_WARM_UP_TIMEOUT_S = 120.0  # for each warm-up request through Triton, its client's set-up included
+_LOOPBACK = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}  # where this process reaches its own Triton
 
 
 def _interrupt(signum, frame) -> None:
@@ -74,7 +84,7 @@ class DeployPyTriton:
     Example:
         nm = DeployPyTriton(model=exporter, triton_model_name="neva", http_port=8000)
         nm.deploy()   # port checks, warm-up request, binding
-        nm.serve()    # blocks; or nm.run() ... nm.stop()
+        nm.serve()    # blocks; or nm.run() ... nm.stop(); run() warms Triton's path up before it returns
 
     `run` must be called from a thread that lives as long as the server (the main thread, as a rule): the kernel
     stops Triton when the thread that started it ends.
@@ -134,7 +144,7 @@ class DeployPyTriton:
         for path in clean_stale_files(PYTRITON_HOME):
             LOGGER.info("removed %s, left behind by a serving process that is gone", path)
         self._warm_up()
-        self.metrics = ServerMetrics(getattr(self.model, "pipeline", None))  # after the warm-up: not counted
+        self.metrics = self._new_metrics()
         self.triton = self._bound_triton()
 
     def serve(self) -> None:
@@ -155,7 +165,8 @@ class DeployPyTriton:
             self.stop()
 
     def run(self) -> None:
-        """Start Triton in the background; returns once every model is loaded and its ports are open."""
+        """Start Triton in the background; returns once every model is loaded, its ports are open and a warm-up
+        request has gone through Triton to each instance."""
         if self.triton is None:
             raise DeployError("deploy() must be called first")
         if self._running:
@@ -168,6 +179,9 @@ class DeployPyTriton:
             except Exception as error:
                 message = f"Triton did not start ({type(error).__name__}: {error}); see its log above"
                 raise DeployError(message) from error
+            self._warm_up_through_triton()
+            self.metrics.close()
+            self.metrics = self._new_metrics()  # the warm-up's requests through Triton are not counted
             self._metrics_server = MetricsServer(self.metrics, self.address, self.metrics_port,
                                                  f"http://127.0.0.1:{self._triton_metrics_port}/metrics")
             self._metrics_server.start()
@@ -257,9 +271,15 @@ class DeployPyTriton:
         else:
             check_port_free(self.address, self.metrics_port, "metrics", "DeployPyTriton(metrics_port=)")
 
-    def _warm_up(self) -> None:
+    def _new_metrics(self) -> ServerMetrics:
+        return ServerMetrics(getattr(self.model, "pipeline", None))
+
+    def _warmup_request(self) -> InferRequest:
         make_request = getattr(self.model, "triton_warmup_request", None)
-        request = make_request() if make_request else default_warmup_request(self.model.get_triton_input)
+        return make_request() if make_request else default_warmup_request(self.model.get_triton_input)
+
+    def _warm_up(self) -> None:
+        request = self._warmup_request()
         started = time.monotonic()
         try:
             self.model.triton_infer_fn(**request)
@@ -268,6 +288,38 @@ class DeployPyTriton:
                 f"the warm-up request failed, so the model is not served: {type(error).__name__}: {error}"
             ) from error
         LOGGER.info("warm-up request answered in %.2f s", time.monotonic() - started)
+
+    def _warm_up_through_triton(self) -> None:
+        """Send the warm-up request through the running Triton as a client does: `max_batch_size` at once, so
+        that each instance gets one, then one through the streaming model (over gRPC, its streaming protocol).
+        A failure is logged, never raised: the model answered the in-process warm-up, so it is served."""
+        request = self._warmup_request()
+        host = _LOOPBACK.get(self.address, self.address)
+        url = f"http://{host}:{self.http_port}" if self.allow_http else f"grpc://{host}:{self.grpc_port}"
+        stream = self.streaming and self.allow_grpc
+
+        def infer(_: int) -> None:
+            with ModelClient(url, self.triton_model_name, init_timeout_s=_WARM_UP_TIMEOUT_S,
+                             inference_timeout_s=_WARM_UP_TIMEOUT_S) as client:
+                client.infer_batch(**request)
+
+        started = time.monotonic()
+        try:
+            with ThreadPoolExecutor(self.max_batch_size, thread_name_prefix="triton-warm-up") as pool:
+                list(pool.map(infer, range(self.max_batch_size)))
+            if stream:
+                with DecoupledModelClient(f"grpc://{host}:{self.grpc_port}", stream_model_name(self.triton_model_name),
+                                          init_timeout_s=_WARM_UP_TIMEOUT_S,
+                                          inference_timeout_s=_WARM_UP_TIMEOUT_S) as client:
+                    for _ in client.infer_batch(**request):
+                        pass
+        except Exception as error:  # noqa: BLE001 - the server serves on; the first requests may be slower
+            LOGGER.warning("the warm-up request through Triton failed, serving anyway (the first requests may be "
+                           "slower): %s: %s", type(error).__name__, error)
+            detail = "failed"
+        else:
+            detail = f"{self.max_batch_size} requests" + (", 1 streamed" if stream else "")
+        LOGGER.info("phase warm-up through Triton: %.2f s (%s)", time.monotonic() - started, detail)
 
     def _failed(self, kind: str, error: Exception) -> RequestFailed:
         """The client's failure for a request of `kind` that raised `error`, logged and counted."""
