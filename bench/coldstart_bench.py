@@ -6,7 +6,8 @@ work folder; then, each in a fresh process and with the model's files dropped fr
 whole cache with `drop_caches` where the process may, else each file with `posix_fadvise(DONTNEED)`; the table
 says which): the export; the LLM weights read onto the device the old way (safetensors `load_file`, then `.to`
 per tensor) and the new way (`exporter.engine.loading`); a first start of `scripts/deploy_triton.py` (no kernel
-cache) until Triton's model-ready endpoint answers, its first request (one image, 32 new tokens) and the median of
+cache) until it logs READY (after Triton's model-ready endpoint answers, the server's warm-up through Triton
+still runs), its first request (one image, 32 new tokens) and the median of
 the next ones (other images, so no encoder output is reused); and a restart on the same engine (kernel cache
 kept). The server's own phase lines (read, transfer, warm-up, ...) are listed too. The disk's speed is measured
 first. Prints a table beside the numbers measured before this work (issue 20) and writes
@@ -184,8 +185,8 @@ def serve_and_query(engine: Path, device: str, limits: dict, log: Path, image_si
         started = time.perf_counter()
         server = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
     try:
-        ready = wait_ready(server, f"http://127.0.0.1:{ports[0]}/v2/models/{MODEL}/ready", log, timeout_s=600,
-                           poll_s=0.05) - started
+        wait_ready(server, f"http://127.0.0.1:{ports[0]}/v2/models/{MODEL}/ready", log, timeout_s=600, poll_s=0.05)
+        ready = wait_logged_ready(server, log, timeout_s=600, poll_s=0.05) - started
         requests = [_request(seed, image_size, new_tokens) for seed in range(steady_requests + 1)]
         latencies, inside, metrics = [], [], f"http://127.0.0.1:{ports[2]}/metrics"
         with ModelClient(f"127.0.0.1:{ports[0]}", MODEL, inference_timeout_s=600) as client:
@@ -211,6 +212,19 @@ def serve_and_query(engine: Path, device: str, limits: dict, log: Path, image_si
             "steady_request_split": split_request(steady, tuple(map(statistics.median, zip(*inside[-STEADY_OF:]))),
                                                   new_tokens),
             "phases": server_phases(log.read_text())}
+
+
+def wait_logged_ready(process: subprocess.Popen, log: Path, timeout_s: float, poll_s: float) -> float:
+    """Poll the server's `log` every `poll_s` until it has its READY line (what clients are told, after the warm-up
+    through Triton); returns `time.perf_counter()` then. Raises if the process exits first, or after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if READY_LINE.search(log.read_text()):
+            return time.perf_counter()
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited; its log:\n{log.read_text()[-5000:]}")
+        time.sleep(poll_s)
+    raise RuntimeError(f"the server did not log READY in {timeout_s:g} s")
 
 
 def scheduler_seconds(url: str, answered: int, timeout_s: float = 5.0) -> tuple[float, float]:
