@@ -295,6 +295,7 @@ class DeployPyTriton:
         A failure is logged, never raised: the model answered the in-process warm-up, so it is served."""
         request = self._warmup_request()
         host = _LOOPBACK.get(self.address, self.address)
+        host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
         url = f"http://{host}:{self.http_port}" if self.allow_http else f"grpc://{host}:{self.grpc_port}"
         stream = self.streaming and self.allow_grpc
 
@@ -318,7 +319,7 @@ class DeployPyTriton:
                            "slower): %s: %s", type(error).__name__, error)
             detail = "failed"
         else:
-            detail = f"{self.max_batch_size} requests" + (", 1 streamed" if stream else "")
+            detail = f"{self.max_batch_size} request{'s' * (self.max_batch_size > 1)}{', 1 streamed' * stream}"
         LOGGER.info("phase warm-up through Triton: %.2f s (%s)", time.monotonic() - started, detail)
 
     def _failed(self, kind: str, error: Exception) -> RequestFailed:
