@@ -406,7 +406,7 @@ class ForwardStep:
         return sum(self.capture_next(key) for key in keys)
 
     def capture_next(self, key: tuple[int, int, bool, bool] | None = None,
-                     proceed: Callable[[], bool] | None = None) -> bool:
+                     proceed: Callable[[], bool] = _always) -> bool:
         """Capture ``key``'s graph, or the first of ``graph_keys`` not captured yet; False if there was none.
         Under the same rule as ``capture_all``. ``proceed``: asked between the capture's slices, it may put the
         capture off (nothing captured; under tensor parallelism, whose ranks capture together, it is not asked)."""
@@ -416,7 +416,7 @@ class ForwardStep:
             return False
         if self.tp is not None:
             self.tp.send(("capture", self.id, key))
-            proceed = None
+            proceed = _always
         self._capture(*key, filler=True, proceed=proceed)
         return True
 
@@ -433,7 +433,7 @@ class ForwardStep:
                                     self.tables[parents, first:stop].flatten().long())
 
     def _capture(self, rows: int, padded: int, full: bool, lora: bool, filler: bool = False,
-                 proceed: Callable[[], bool] | None = None) -> None:
+                 proceed: Callable[[], bool] = _always) -> None:
         # Capturing runs the step from the current state (writing each row's cache at its own position, as the
         # step will, and past it, where the next steps write): keep the state as it was. Outside a step
         # (``filler``) the chunk is filler (the null block), not the last step's (whose blocks may be cached now).
@@ -443,7 +443,7 @@ class ForwardStep:
             self.ints.zero_()
         chunk = self._static_chunk(padded) if padded else None
         try:
-            captured = capture(lambda: self._compute(rows, chunk, full, 0, lora), self.pool, proceed or _always)
+            captured = capture(lambda: self._compute(rows, chunk, full, 0, lora), self.pool, proceed)
         finally:
             self.chooser.restore(saved)
         if captured is not None:
