@@ -380,8 +380,13 @@ def _ttft(model: Decoder, shape: dict, repeats: int) -> dict:
         result[f"ttft_{name}_phases_ms"] = {phase: float(np.median([times.get(phase, 0.0) for times in runs]))
                                             for phase in (*PHASES, *SCHEDULER_PHASES) if any(phase in t for t in runs)}
         result[f"ttft_{name}_reused_positions"] = length - prefilled
-        # its prefill step alone on an idle device (the graph the questions replayed)
+        # its prefill step alone on an idle device (the graph the questions replayed), and by kernel kind
         result[f"ttft_{name}_step_ms"] = prefill_step_ms(scheduler.forward, length - prefilled, prefilled)
+        if model.device.type == "cuda":
+            from breakdown import _kernel_profile
+
+            piece = _null_piece(scheduler.forward, length - prefilled, prefilled)
+            result.update(_kernel_profile(f"ttft_{name}_step", lambda: scheduler.forward.launch(0, 0, [piece])))
     return result
 
 
@@ -406,12 +411,18 @@ def _syncs_recorded(device: torch.device) -> Iterator[dict[str, int]]:
             syncs[where] = syncs.get(where, 0) + 1
 
 
+def _null_piece(step: ForwardStep, start: int, count: int) -> Piece:
+    """A prompt piece of ``count`` zero embeddings after ``start`` positions, in the null block (its contents do
+    not matter for timing)."""
+    embeds = torch.zeros(count, step.model.config.hidden_size, dtype=step.model.dtype, device=step.model.device)
+    return Piece(embeds, start, [0] * step.tables.shape[1])
+
+
 def prefill_step_ms(step: ForwardStep, start: int, count: int, repeats: int = 10) -> dict[str, float]:
     """One step prefilling ``count`` positions after ``start`` (the scheduler's graph of its chunk bucket) on an
     idle device, median ms: the host's launch call, and the device's time for the step (CUDA events)."""
     device = step.model.device
-    embeds = torch.zeros(count, step.model.config.hidden_size, dtype=step.model.dtype, device=device)
-    piece = Piece(embeds, start, [0] * step.tables.shape[1])  # the null block: its contents do not matter here
+    piece = _null_piece(step, start, count)
     host, busy = [], []
     for _ in range(repeats + 2):
         synchronize(device)

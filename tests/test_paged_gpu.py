@@ -32,11 +32,11 @@ FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8
 
 def _random_cache(blocks: int, block_size: int, groups: int, dim: int, fp8: bool,
                   generator: torch.Generator) -> PagedKVCache:
-    """One layer of random bfloat16 keys and values on CUDA, or float8 ones stored as value / scale (skips the
+    """One layer of random bfloat16 keys and values on CUDA (head-major, as the engine stores them), or float8 ones stored as value / scale (skips the
     test where the GPU has no float8)."""
     if fp8 and not FP8_GPU:
         pytest.skip("float8 needs compute capability 8.9")
-    data = torch.randn(1, 2, blocks, block_size, groups, dim, device="cuda", generator=generator)
+    data = torch.randn(1, 2, blocks, groups, block_size, dim, device="cuda", generator=generator).transpose(3, 4)
     if not fp8:
         return PagedKVCache(data.bfloat16())
     scales = torch.rand(1, 2, groups, device="cuda", generator=generator) * 0.02 + 0.005

@@ -58,9 +58,10 @@ def test_kernels_under_the_triton_interpreter():
 
 def _cache(dtype: torch.dtype, groups: int, dim: int, block_size: int, blocks: int, fp8: bool = False,
            seed: int = 0) -> PagedKVCache:
-    """One layer of random keys and values; float8 ones stored as value / scale."""
+    """One layer of random keys and values, stored head-major as the engine's pool is (a view with the block's
+    positions before its KV heads); float8 ones stored as value / scale."""
     generator = torch.Generator().manual_seed(seed)
-    data = torch.randn(1, 2, blocks, block_size, groups, dim, generator=generator)
+    data = torch.randn(1, 2, blocks, groups, block_size, dim, generator=generator).transpose(3, 4)
     if not fp8:
         return PagedKVCache(data.to(dtype))
     scales = torch.rand(1, 2, groups, generator=generator) * 0.05 + 0.01

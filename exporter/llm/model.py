@@ -546,11 +546,11 @@ class Decoder(nn.Module):
 
     def new_paged_kv_cache(self, num_blocks: int, block_size: int, scales: Tensor | None = None) -> PagedKVCache:
         """A zeroed block pool (block 0 the null block) in the model dtype, or in float8 e4m3 with `scales
-        [layers, 2, kv_heads]` (`exporter.llm.paged_attention`)."""
+        [layers, 2, kv_heads]` (`exporter.llm.paged_attention`), its blocks stored head-major (see there)."""
         c = self.config
-        shape = (c.num_layers, 2, num_blocks, block_size, self.kv_heads, c.head_dim)
+        shape = (c.num_layers, 2, num_blocks, self.kv_heads, block_size, c.head_dim)
         dtype = self.dtype if scales is None else FP8_DTYPE
-        data = torch.zeros(shape, dtype=dtype, device=self.device)
+        data = torch.zeros(shape, dtype=dtype, device=self.device).transpose(3, 4)
         return PagedKVCache(data, None if scales is None else scales.to(device=self.device, dtype=torch.float32))
 
     def forward(

@@ -1,6 +1,9 @@
 """A KV cache in fixed-size blocks and the attention that reads it.
 
-`PagedKVCache.data` is `[layers, 2 (keys, values), blocks, block_size, kv_heads, head_dim]`. A row (a request's
+`PagedKVCache.data` is `[layers, 2 (keys, values), blocks, block_size, kv_heads, head_dim]`, stored head-major
+(`Decoder.new_paged_kv_cache` allocates `[..., blocks, kv_heads, block_size, head_dim]` and hands out this view):
+one KV head's keys of a block are one contiguous run (4 KB of float8 at 32 positions of 128 dims), which a decode
+kernel program streams; the kernels and the reference take the strides as they come. A row (a request's
 sequence) owns a block table: its position `p` lives in block `table[p // block_size]` at offset
 `p % block_size`, so rows take only the blocks they need and rows can share blocks (a common prefix). Block 0 is
 the null block: idle rows and padding positions write there and nothing real reads it.
