@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ..engine.progress import LOGGER
 from ..llm.config import DecoderConfig
+from ..llm.gemv import release_timing_buffers
 from ..llm.generate import Answer, BeamSearch, SamplingParams, check_requests
 from ..llm.model import Decoder
 from ..llm.sampling import RowSetup, TokenChooser, host_to_device
@@ -358,7 +359,8 @@ class Scheduler:
         ``capture_in_background`` was called, whenever it has been idle for ``capture_after_idle_s`` since a
         request (``capture_after_ready_s`` while none came since then). A step meanwhile runs a bigger bucket's
         graph, else eagerly; a request arriving during a capture puts it off at its next slice (taken up again at
-        the next idle time)."""
+        the next idle time). Once the last graph is captured (or the captures stop), the buffer the kernels' timing
+        reads is freed (``gemv.release_timing_buffers``)."""
         started = time.perf_counter()
         self.forward.chunk_beside_rows = self.chunk_budget(decoding=True)
         self.forward.capture_on_demand = not rest_in_background
@@ -367,6 +369,8 @@ class Scheduler:
         self.capture_stats.update(before=captured, before_s=time.perf_counter() - started,
                                   left=self.forward.uncaptured())
         self._capture_later = rest_in_background and self.capture_stats["left"] > 0
+        if not self._capture_later:
+            release_timing_buffers()  # the kernels' timing is over (a shape first met later times again)
 
     def capture_in_background(self) -> None:
         """Let the scheduler's thread capture the step graphs ``warm_up`` left for later (call it once the server
@@ -419,6 +423,7 @@ class Scheduler:
         LOGGER.info("phase capture the other step graphs (in the background, after READY): %.2f s (%d graphs, "
                     "%d put off for a request)", stats.get("after_s", 0.0), stats.get("after", 0),
                     stats.get("put_off", 0))
+        release_timing_buffers()
         if self.on_captured is not None:
             self.on_captured()
 
