@@ -127,7 +127,7 @@ _EVICT: dict[int, Tensor] = {}
 
 
 def release_timing_buffers() -> None:
-    """Drop the buffers `measure_ms` reads to evict the L2 cache (twice its size a GPU, ~100 MB on an H100), for
+    """Drop the buffers `measure_ms` reads to evict the L2 cache (twice its size a GPU, 128 MB at least), for
     when the timing is over (the scheduler's warm-up and background captures done); a later `measure_ms` (a shape
     first met later) makes its GPU's again."""
     _EVICT.clear()
