@@ -17,7 +17,8 @@ Around Triton:
   PyTriton's path to the model is warm before `run` returns and the server says READY (the OpenAI front's
   `/health/ready`, the script's READY line). Triton's own ready endpoints answer 200 a moment earlier: Triton
   reports ready before PyTriton connects to it, and that cannot be held. A failed warm-up through Triton is
-  logged and the server serves on; its requests are not counted in the metrics.
+  logged and the server serves on. Its requests carry a parameter with a token of this process, by which they are
+  left out of the metrics; a client's request meanwhile is counted.
 - A failed request reaches its client as one line with a status: 400 bad input, 500 server fault, 503 stopping
   (`deploy.triton_errors`, applied inside Triton by `deploy/triton_stub_model.py`); the log keeps the traceback.
 - Triton and its backend processes die with this process, even on SIGKILL, and leave no shared memory behind
@@ -27,8 +28,11 @@ Around Triton:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 import logging
+import secrets
 import shutil
 import signal
 import threading
@@ -72,6 +76,7 @@ _MONITOR_INTERVAL_S = 0.5
 _BACKEND_FILES = {"model.py": "triton_stub_model.py", "triton_errors.py": "triton_errors.py"}
 _WARM_UP_TIMEOUT_S = 120.0  # for each warm-up request through Triton, its client's set-up included
 _LOOPBACK = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}  # where this process reaches its own Triton
+_WARM_UP_PARAMETER = "nemo_mm_warm_up"  # a request parameter: this process's token on its own warm-up requests
 
 
 def _interrupt(signum, frame) -> None:
@@ -134,6 +139,7 @@ class DeployPyTriton:
         self._triton_metrics_port: int | None = None
         self._running = False
         self._stopping = False
+        self._warm_up_mark = {_WARM_UP_PARAMETER: secrets.token_hex(16)}
 
     def deploy(self) -> None:
         """Check ports, run the warm-up request, and bind the model to a (not yet started) Triton server."""
@@ -144,7 +150,7 @@ class DeployPyTriton:
         for path in clean_stale_files(PYTRITON_HOME):
             LOGGER.info("removed %s, left behind by a serving process that is gone", path)
         self._warm_up()
-        self.metrics = self._new_metrics()
+        self.metrics = ServerMetrics(getattr(self.model, "pipeline", None))
         self.triton = self._bound_triton()
 
     def serve(self) -> None:
@@ -180,8 +186,6 @@ class DeployPyTriton:
                 message = f"Triton did not start ({type(error).__name__}: {error}); see its log above"
                 raise DeployError(message) from error
             self._warm_up_through_triton()
-            self.metrics.close()
-            self.metrics = self._new_metrics()  # the warm-up's requests through Triton are not counted
             self._metrics_server = MetricsServer(self.metrics, self.address, self.metrics_port,
                                                  f"http://127.0.0.1:{self._triton_metrics_port}/metrics")
             self._metrics_server.start()
@@ -271,9 +275,6 @@ class DeployPyTriton:
         else:
             check_port_free(self.address, self.metrics_port, "metrics", "DeployPyTriton(metrics_port=)")
 
-    def _new_metrics(self) -> ServerMetrics:
-        return ServerMetrics(getattr(self.model, "pipeline", None))
-
     def _warmup_request(self) -> InferRequest:
         make_request = getattr(self.model, "triton_warmup_request", None)
         return make_request() if make_request else default_warmup_request(self.model.get_triton_input)
@@ -292,7 +293,8 @@ class DeployPyTriton:
     def _warm_up_through_triton(self) -> None:
         """Send the warm-up request through the running Triton as a client does: `max_batch_size` at once, so
         that each instance gets one, then one through the streaming model (over gRPC, its streaming protocol).
-        A failure is logged, never raised: the model answered the in-process warm-up, so it is served."""
+        A failure is logged, never raised: the model answered the in-process warm-up, so it is served. Each request
+        carries `_warm_up_mark`, which leaves it out of the metrics."""
         request = self._warmup_request()
         host = _LOOPBACK.get(self.address, self.address)
         host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
@@ -302,16 +304,16 @@ class DeployPyTriton:
         def infer(_: int) -> None:
             with ModelClient(url, self.triton_model_name, init_timeout_s=_WARM_UP_TIMEOUT_S,
                              inference_timeout_s=_WARM_UP_TIMEOUT_S) as client:
-                client.infer_batch(**request)
+                client.infer_batch(parameters=self._warm_up_mark, **request)
 
         started = time.monotonic()
         try:
             with ThreadPoolExecutor(self.max_batch_size, thread_name_prefix="triton-warm-up") as pool:
                 list(pool.map(infer, range(self.max_batch_size)))
             if stream:
-                with DecoupledModelClient(f"grpc://{host}:{self.grpc_port}", stream_model_name(self.triton_model_name),
-                                          init_timeout_s=_WARM_UP_TIMEOUT_S,
-                                          inference_timeout_s=_WARM_UP_TIMEOUT_S) as client:
+                with _MarkedStreamClient(f"grpc://{host}:{self.grpc_port}", stream_model_name(self.triton_model_name),
+                                         self._warm_up_mark, init_timeout_s=_WARM_UP_TIMEOUT_S,
+                                         inference_timeout_s=_WARM_UP_TIMEOUT_S) as client:
                     for _ in client.infer_batch(**request):
                         pass
         except Exception as error:  # noqa: BLE001 - the server serves on; the first requests may be slower
@@ -332,6 +334,12 @@ class DeployPyTriton:
         self.metrics.count(kind, failure.status)
         return failure
 
+    def _uncounted_if_warm_up(self, request) -> contextlib.AbstractContextManager:
+        """`metrics.uncounted()` for one of this server's warm-up requests (its parameter carries the token), else
+        a block that changes nothing."""
+        warm_up = (request.parameters or {}).get(_WARM_UP_PARAMETER) == self._warm_up_mark[_WARM_UP_PARAMETER]
+        return self.metrics.uncounted() if warm_up else contextlib.nullcontext()
+
     def _refuse_while_stopping(self) -> None:
         if self._stopping:
             raise RequestFailed(UNAVAILABLE, "the server is stopping; retry on a running server")
@@ -340,12 +348,13 @@ class DeployPyTriton:
         def infer(requests: list) -> list[dict[str, np.ndarray]]:
             answers = []
             for request in requests:  # one, under Triton's default scheduler
-                try:
-                    self._refuse_while_stopping()
-                    answers.append(self.model.triton_infer_fn(**request.data))
-                except Exception as error:  # noqa: BLE001 - every failure goes to its client as one line
-                    raise self._failed("infer", error) from None
-                self.metrics.count("infer", 200)
+                with self._uncounted_if_warm_up(request):
+                    try:
+                        self._refuse_while_stopping()
+                        answers.append(self.model.triton_infer_fn(**request.data))
+                    except Exception as error:  # noqa: BLE001 - every failure goes to its client as one line
+                        raise self._failed("infer", error) from None
+                    self.metrics.count("infer", 200)
             return answers
 
         infer.__name__ = f"{self.triton_model_name}_instance_{index}"
@@ -353,15 +362,43 @@ class DeployPyTriton:
 
     def _stream_instance_fn(self, index: int) -> Callable[[list], Iterator[list[dict[str, np.ndarray]]]]:
         def stream(requests: list) -> Iterator[list[dict[str, np.ndarray]]]:
+            uncounted = functools.partial(self._uncounted_if_warm_up, requests[0])  # entered anew after each yield
             try:
                 if len(requests) != 1:  # Triton's default scheduler hands an instance one request at a time
                     raise RequestFailed(BAD_REQUEST, f"a streaming instance got {len(requests)} requests; it takes one")
                 self._refuse_while_stopping()
-                for outputs in self.model.triton_stream_request(dict(requests[0].data)):
+                for outputs in _each_within(self.model.triton_stream_request(dict(requests[0].data)), uncounted):
                     yield [outputs]
             except Exception as error:  # noqa: BLE001 - every failure goes to its client as one line
-                raise self._failed("stream", error) from None
-            self.metrics.count("stream", 200)
+                with uncounted():
+                    raise self._failed("stream", error) from None
+            with uncounted():
+                self.metrics.count("stream", 200)
 
         stream.__name__ = f"{stream_model_name(self.triton_model_name)}_instance_{index}"
         return stream
+
+
+class _MarkedStreamClient(DecoupledModelClient):
+    """PyTriton's streaming client, sending `parameters` with its request (PyTriton's own refuses parameters;
+    Triton's gRPC stream carries them to the model)."""
+
+    def __init__(self, url: str, model_name: str, parameters: dict[str, str], **kwargs):
+        super().__init__(url, model_name, **kwargs)
+        self._parameters = parameters
+
+    def _get_infer_extra_args(self) -> dict:
+        return {**super()._get_infer_extra_args(), "parameters": self._parameters}
+
+
+_END = object()
+
+
+def _each_within(items: Iterator, scope: Callable[[], contextlib.AbstractContextManager]) -> Iterator:
+    """`items`, each taken inside a new `scope()`, which is left before the item is yielded."""
+    while True:
+        with scope():
+            item = next(items, _END)
+        if item is _END:
+            return
+        yield item

@@ -3,8 +3,9 @@
 `ServerMetrics` counts requests and errors by kind (`infer`, `stream`, `openai`), reads the in-flight scheduler
 (queue length, running rows, KV-cache use) and the encoder-output cache (hits, misses) at each scrape, and
 records every request's time to first token, time per output token and generated tokens from the scheduler's
-request handles, which the pipeline hands to its `submitted` observers. `MetricsServer` answers `GET /metrics` with them and appends the text of Triton's metrics
-endpoint, which listens on a loopback port of its own.
+request handles, which the pipeline hands to its `submitted` observers. What a thread counts or submits inside
+`ServerMetrics.uncounted()` is left out (the server's own warm-up requests). `MetricsServer` answers `GET /metrics`
+with them and appends the text of Triton's metrics endpoint, which listens on a loopback port of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import socket
 import threading
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -47,9 +49,10 @@ class ServerMetrics:
             buckets=_TOKEN_BUCKETS, registry=self.registry)
         self.generated_tokens = Counter("nemo_mm_generated_tokens", "Tokens generated", registry=self.registry)
         self._pipeline = pipeline
+        self._quiet = threading.local()  # its `on`: this thread's counts and submissions are left out
         if pipeline is not None:
             self.registry.register(_EngineCollector(pipeline))
-            self._watch = _HandleWatcher(self._record).add
+            self._watcher = _HandleWatcher(self._record)
             pipeline.submitted.append(self._watch)
 
     def close(self) -> None:
@@ -57,9 +60,22 @@ class ServerMetrics:
         if self._pipeline is not None and self._watch in self._pipeline.submitted:
             self._pipeline.submitted.remove(self._watch)
 
+    @contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Leave out what this thread counts, and the requests it submits to the pipeline, inside the block (the
+        server's own warm-up requests). Not to be held across a generator's `yield`: its caller may resume it on
+        another thread."""
+        self._quiet.on = True
+        try:
+            yield
+        finally:
+            self._quiet.on = False
+
     def count(self, kind: str, status: int) -> None:
         """Count one answered request of `kind` with its HTTP status (a 4xx counts as `bad_request`, 503 as
-        `unavailable`, another 5xx as `internal`)."""
+        `unavailable`, another 5xx as `internal`), unless `uncounted`."""
+        if self._left_out():
+            return
         self.requests.labels(kind).inc()
         if status >= 400:
             error = "bad_request" if status < 500 else "unavailable" if status == 503 else "internal"
@@ -68,6 +84,13 @@ class ServerMetrics:
     def text(self) -> bytes:
         """The metrics in Prometheus' text format."""
         return generate_latest(self.registry)
+
+    def _left_out(self) -> bool:
+        return getattr(self._quiet, "on", False)
+
+    def _watch(self, handle: Any) -> None:
+        if not self._left_out():
+            self._watcher.add(handle)
 
     def _record(self, handle: Any) -> None:
         tokens = len(handle.tokens)

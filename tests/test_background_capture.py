@@ -17,6 +17,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from exporter.llm import gemv
 from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder
 from exporter.runtime import cuda_graphs
@@ -153,6 +154,29 @@ def test_warm_up_captures_everything_by_default(model, captures):
     scheduler.warm_up()
     assert sorted(scheduler.forward.graphs) == sorted(scheduler.forward.graph_keys())
     assert scheduler.capture_stats["left"] == 0 and not scheduler._capture_later
+
+
+def test_the_kernel_timing_buffer_is_released_once_the_last_graph_is_captured(model, captures, monkeypatch):
+    """`gemv.measure_ms` keeps its L2-evicting buffer only on CUDA: a stand-in entry here shows when the scheduler
+    drops it, after the background captures (which may time kernels of new shapes), not after the warm-up that
+    left some; a warm-up capturing everything drops it at once."""
+    monkeypatch.setattr(gemv, "_EVICT", {0: torch.zeros(4)})
+    scheduler = _graphed_scheduler(model, captures)
+    done = threading.Event()
+    scheduler.on_captured = done.set
+    scheduler.warm_up(rest_in_background=True)
+    assert scheduler.capture_stats["left"] > 0 and list(gemv._EVICT) == [0]
+    scheduler.capture_after_idle_s = scheduler.capture_after_ready_s = 0.05
+    scheduler.start()
+    try:
+        scheduler.capture_in_background()
+        assert done.wait(60), "the background captures did not finish"
+    finally:
+        scheduler.stop()
+    assert gemv._EVICT == {}
+    gemv._EVICT[0] = torch.zeros(4)
+    _graphed_scheduler(model, captures).warm_up()
+    assert gemv._EVICT == {}
 
 
 def _ready_and_eager(scheduler: Scheduler, monkeypatch, capture) -> None:

@@ -16,7 +16,7 @@ from exporter.llm.paged_triton import split_count
 from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, SMALLEST_SHARE, ChunkPacer
 from exporter.runtime.cuda_graphs import Piece, chunk_bucket_sizes
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
-from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, generate
+from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, chunk_cost, generate
 from support.decoders import (
     LONG_CONFIG,
     SCHEDULER_VOCAB,
@@ -208,6 +208,38 @@ def test_the_scheduler_chunks_follow_the_measured_times_and_its_tokens_stay_the_
     assert decoding.result(timeout=0) == static_greedy(model, _embeds(model, short), 40)
     mixed = [(rows, cost) for rows, cost, *_ in reads if cost]
     assert [cost for _, cost in mixed] == chunks and all(rows == 1 for rows, _ in mixed)
+
+
+def test_each_decode_step_read_back_reports_the_chunk_cost_its_pieces_spent(model):
+    """With attention counted (a finite key equivalent), the cost a decode step reports to the pacer is the
+    ``chunk_cost`` of the pieces launched with it (computed here from the launched pieces)."""
+    scheduler = _scheduler(model, block_size=16, max_num_tokens=600, max_slots=3, max_seq_len=1100)
+    scheduler.key_equivalent = 300.0
+    pacer = scheduler.pacer = ChunkPacer()
+    reads = []
+    pacer.read_back = lambda *args: reads.append(args)
+    pacer.measured(1, 0.0, 0.010)
+    pacer.unit_s = (MIXED_STEP_LIMIT - 1) * 0.010 / 150.5  # 150 units beside a row
+    launched = []
+    launch = scheduler.forward.launch
+
+    def recording(rows, furthest, pieces=(), *args, **kwargs):
+        if rows:
+            launched.append(sum(chunk_cost(len(piece.embeds), piece.start, 300.0) for piece in pieces))
+        return launch(rows, furthest, pieces, *args, **kwargs)
+
+    scheduler.forward.launch = recording
+    short = random_ids(33, 10)
+    decoding = scheduler.submit(_embeds(model, short), short, SamplingParams(max_output_len=30))
+    scheduler.step()
+    for seed, length in ((34, 700), (35, 90)):
+        ids = random_ids(seed, length)
+        scheduler.submit(_embeds(model, ids), ids, SamplingParams(max_output_len=2))
+    run_until_idle(scheduler)
+    assert decoding.result(timeout=0) == static_greedy(model, _embeds(model, short), 30)
+    costs = [cost for _, cost, *_ in reads]
+    assert costs == launched and sum(c > 0 for c in costs) > 3
+    assert any(cost != int(cost) for cost in costs)  # attention counted
 
 
 def test_a_request_takes_no_decode_step_past_its_last_token(model):

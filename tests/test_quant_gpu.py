@@ -156,3 +156,7 @@ def test_the_candidate_timer_reads_from_memory_without_launch_overhead():
     assert large_ms >= (32 << 20) / 5e12 * 1e3, large_ms
     assert 1.3 < large_ms / small_ms < 2.6, (large_ms, small_ms)
     assert gemv.measure_ms(lambda: small[:1].add_(1)) < 0.05
+    held = torch.cuda.memory_allocated()
+    gemv.release_timing_buffers()  # freed; a later timing makes its buffer again
+    assert held - torch.cuda.memory_allocated() >= 2 * (64 << 20) and gemv._EVICT == {}
+    assert gemv.measure_ms(large.sum) >= (32 << 20) / 5e12 * 1e3 and len(gemv._EVICT) == 1

@@ -47,6 +47,18 @@ def pictures():
     return result
 
 
+def test_the_warm_up_through_triton_leaves_no_trace_in_the_metrics(server):
+    """At READY the warm-up's requests through Triton (four infer, one streamed, through the engine's scheduler)
+    have been answered: none is counted, and none of their latencies or tokens recorded (the recorder, polling each
+    50 ms, is given a second)."""
+    time.sleep(1.0)
+    values = _metrics(server)
+    assert not {name: value for name, value in values.items() if name.startswith("nemo_mm_requests_total")}
+    assert values["nemo_mm_generated_tokens_total"] == 0
+    assert values["nemo_mm_time_to_first_token_seconds_count"] == 0
+    assert values["nemo_mm_encoder_cache_misses_total"] > 0  # the warm-up did run through the engine
+
+
 # --- oversized prompts ----------------------------------------------------------------------------------------------
 
 def test_a_50_mb_prompt_is_refused_at_once_and_memory_stays_flat(server):

@@ -1,5 +1,6 @@
 """The warm-up request through Triton: `DeployPyTriton.run` sends it to each instance (and through the streaming
-model) before it returns, i.e. before the server says READY; a failing one is logged and the server serves on."""
+model) before it returns, i.e. before the server says READY; a failing one is logged and the server serves on; its
+requests are left out of the metrics, a client's request sent meanwhile is counted."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import threading
 from collections.abc import Iterator
 
 import numpy as np
-from pytriton.client import ModelClient
+from pytriton.client import DecoupledModelClient, ModelClient
 
 from deploy import DeployPyTriton
 from deploy.startup import free_port
@@ -62,9 +63,9 @@ def _phase_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("phase warm-up through Triton")]
 
 
-def _requests_counted(deployer: DeployPyTriton) -> float:
+def _requests_counted(deployer: DeployPyTriton, kind: str | None = None) -> float:
     return sum(sample.value for metric in deployer.metrics.requests.collect() for sample in metric.samples
-               if sample.name.endswith("_total"))
+               if sample.name.endswith("_total") and kind in (None, sample.labels["kind"]))
 
 
 def _assert_serves(url: str) -> None:
@@ -121,3 +122,63 @@ def test_warm_up_reaches_a_server_bound_to_every_address_over_http_alone(caplog)
     assert len(model.threads) == 2
     [line] = _phase_lines(caplog)
     assert line.endswith("s (1 request)"), line
+
+
+class HoldingModel(RecordingModel):
+    """Holds the warm-up's requests through Triton (the calls after the in-process one) until `release` is set;
+    `held` is set once each instance holds one."""
+
+    def __init__(self):
+        super().__init__()
+        self.held, self.release = threading.Event(), threading.Event()
+        self._holding = 0
+
+    def triton_infer_fn(self, **inputs: np.ndarray) -> dict[str, np.ndarray]:
+        with self._lock:
+            warm_up = 0 < len(self.threads) <= INSTANCES
+        answer = super().triton_infer_fn(**inputs)
+        if warm_up:
+            with self._lock:
+                self._holding += 1
+                if self._holding == INSTANCES:
+                    self.held.set()
+            assert self.release.wait(60), "the test never released the warm-up"
+        return answer
+
+
+def test_a_client_request_during_the_warm_up_is_counted_and_the_warm_up_is_not():
+    """A client streams a request while the warm-up's requests through Triton are held in the model (every infer
+    instance busy, the streaming ones free): after READY the metrics count that request alone."""
+    model = HoldingModel()
+    grpc_port = free_port()
+    deployer = DeployPyTriton(model, MODEL, max_batch_size=INSTANCES, http_port=free_port(), grpc_port=grpc_port,
+                              address="127.0.0.1", streaming=True)
+    deployer.deploy()
+    ready, serving, failures = threading.Event(), threading.Event(), []
+
+    def run() -> None:  # Triton lives as long as the thread that started it
+        try:
+            deployer.run()
+        except BaseException as error:  # noqa: BLE001 - reported by the test
+            failures.append(error)
+        ready.set()
+        serving.wait(120)
+
+    runner = threading.Thread(target=run, name="runner")
+    runner.start()
+    try:
+        assert model.held.wait(120), failures
+        media = np.full((1, 1, 8, 8, 3), 10, dtype=np.uint8)
+        with DecoupledModelClient(f"grpc://127.0.0.1:{grpc_port}", f"{MODEL}_stream", init_timeout_s=30,
+                                  inference_timeout_s=30) as client:
+            answers = list(client.infer_batch(input_text=np.array([[b"hello"]], dtype=np.bytes_), input_media=media))
+        assert answers and model.streamed == 1 and not ready.is_set()  # answered during the warm-up
+        model.release.set()
+        assert ready.wait(120) and not failures, failures
+        assert model.streamed == 2  # the warm-up's own stream came after
+        assert _requests_counted(deployer, "stream") == 1 and _requests_counted(deployer) == 1
+    finally:
+        model.release.set()
+        deployer.stop()
+        serving.set()
+        runner.join(60)

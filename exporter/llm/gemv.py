@@ -13,7 +13,7 @@ since computing the gate in every output tile's program can cost more than the a
 
 The choices made, and the results of the autotuned kernels registered in `TUNED`, are what
 `exporter.engine.kernel_cache` keeps per engine and GPU: `remember` hands back the choices of an earlier run, so a
-restart times nothing it timed before.
+restart times nothing it timed before. `release_timing_buffers` frees what the timing keeps once it is over.
 """
 
 from __future__ import annotations
@@ -124,6 +124,13 @@ def measure_ms(run: Callable[[], object], repeats: int = 20, replays: int = 5) -
 
 # device index -> a buffer of twice the GPU's L2 cache, read before each timed run
 _EVICT: dict[int, Tensor] = {}
+
+
+def release_timing_buffers() -> None:
+    """Drop the buffers `measure_ms` reads to evict the L2 cache (twice its size a GPU, 128 MB at least), for
+    when the timing is over (the scheduler's warm-up and background captures done); a later `measure_ms` (a shape
+    first met later) makes its GPU's again."""
+    _EVICT.clear()
 
 
 def _graph_of(fn: Callable[[], object], repeats: int) -> torch.cuda.CUDAGraph:

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from ..engine.progress import LOGGER
 from ..llm.config import DecoderConfig
+from ..llm.gemv import release_timing_buffers
 from ..llm.generate import Answer, BeamSearch, SamplingParams, check_requests
 from ..llm.model import Decoder
 from ..llm.sampling import RowSetup, TokenChooser, host_to_device
@@ -190,6 +191,14 @@ class _Launched:
     iteration: int
     rows: int = 0  # a decode step's rows
     cost: float = 0.0  # the ``chunk_cost`` of the prompt chunk queued with it
+
+
+@dataclass
+class _Chunk:
+    """The prompt pieces one step prefills, and the ``chunk_cost`` they spend of the step's budget."""
+
+    pieces: list[tuple[_Running, Piece]]
+    cost: float = 0.0
 
 
 DEFAULT_MAX_NUM_TOKENS = 2048  # a lone prompt's chunk: 600-position image prompts in one step, 16k in ~13
@@ -350,7 +359,8 @@ class Scheduler:
         ``capture_in_background`` was called, whenever it has been idle for ``capture_after_idle_s`` since a
         request (``capture_after_ready_s`` while none came since then). A step meanwhile runs a bigger bucket's
         graph, else eagerly; a request arriving during a capture puts it off at its next slice (taken up again at
-        the next idle time)."""
+        the next idle time). Once the last graph is captured (or the captures stop), the buffer the kernels' timing
+        reads is freed (``gemv.release_timing_buffers``)."""
         started = time.perf_counter()
         self.forward.chunk_beside_rows = self.chunk_budget(decoding=True)
         self.forward.capture_on_demand = not rest_in_background
@@ -359,6 +369,8 @@ class Scheduler:
         self.capture_stats.update(before=captured, before_s=time.perf_counter() - started,
                                   left=self.forward.uncaptured())
         self._capture_later = rest_in_background and self.capture_stats["left"] > 0
+        if not self._capture_later:
+            release_timing_buffers()  # the kernels' timing is over (a shape first met later times again)
 
     def capture_in_background(self) -> None:
         """Let the scheduler's thread capture the step graphs ``warm_up`` left for later (call it once the server
@@ -411,6 +423,7 @@ class Scheduler:
         LOGGER.info("phase capture the other step graphs (in the background, after READY): %.2f s (%d graphs, "
                     "%d put off for a request)", stats.get("after_s", 0.0), stats.get("after", 0),
                     stats.get("put_off", 0))
+        release_timing_buffers()
         if self.on_captured is not None:
             self.on_captured()
 
@@ -447,10 +460,10 @@ class Scheduler:
         self._admit()
         decoding = [request for request in self._requests() if request.decoding and request.tokens_left]
         rows = decoding[-1].first_row + decoding[-1].width if decoding else 0
-        pieces = self._plan_chunk(self.chunk_budget(bool(decoding), rows))
-        if decoding or pieces:
-            self._launch(decoding, pieces)
-        while self._inflight and (self._inflight[0].iteration < self._iteration or not (decoding or pieces)):
+        chunk = self._plan_chunk(self.chunk_budget(bool(decoding), rows))
+        if decoding or chunk.pieces:
+            self._launch(decoding, chunk)
+        while self._inflight and (self._inflight[0].iteration < self._iteration or not (decoding or chunk.pieces)):
             self._pick(self._inflight.popleft())
         return bool(self.waiting or self._inflight or any(self.slots))
 
@@ -458,7 +471,8 @@ class Scheduler:
         """The admitted requests in row order."""
         return [slot for row, slot in enumerate(self.slots) if slot is not None and slot.first_row == row]
 
-    def _launch(self, decoding: list[_Running], pieces: list[tuple[_Running, Piece]]) -> None:
+    def _launch(self, decoding: list[_Running], chunk: _Chunk) -> None:
+        pieces = chunk.pieces
         rows = furthest = 0
         full = False
         beam_rows = None
@@ -481,8 +495,8 @@ class Scheduler:
             self.steps_queued_ahead += any(launched.decode for launched in self._inflight)
             for request in decoding:
                 request.position += 1
-            cost = sum(chunk_cost(len(piece.embeds), piece.start, self.key_equivalent) for _, piece in pieces)
-            self._inflight.append(_Launched(self._count_launch(), decode, decoding, True, self._iteration, rows, cost))
+            self._inflight.append(_Launched(self._count_launch(), decode, decoding, True, self._iteration, rows,
+                                            chunk.cost))
         launched_at = time.monotonic()
         for index, (request, piece) in enumerate(pieces):
             handle = request.handle
@@ -603,29 +617,31 @@ class Scheduler:
         most = min(self.max_num_tokens, self.decode_chunk_tokens)
         return self.pacer.budget(rows, most) if self.pacer is not None and rows else most
 
-    def _plan_chunk(self, budget: int) -> list[tuple[_Running, Piece]]:
+    def _plan_chunk(self, budget: int) -> _Chunk:
         """The next pieces of the admitted prompts, in admission order, within ``budget`` prompt positions (the
         attention to earlier positions counted in, ``chunk_cost``; a piece keeps at least an eighth of it, so that a
-        long prompt moves on) and ``MAX_PIECES``."""
+        long prompt moves on) and ``MAX_PIECES``, with the cost they spend (the pacer's measure of the chunk)."""
         smallest = max(1, budget // 8)
         remaining = float(budget)
-        pieces = []
+        chunk = _Chunk([])
         for request in list(self.prefilling):
             if request.handle.cancelled:
                 self.prefilling.remove(request)
                 self._release(request)
                 continue
-            if len(pieces) == MAX_PIECES or remaining < 1:
+            if len(chunk.pieces) == MAX_PIECES or remaining < 1:
                 break
             prompt = request.handle.prompt
             start = request.prefilled
             count = min(len(prompt) - start, int(remaining))
             while count > smallest and chunk_cost(count, start, self.key_equivalent) > remaining:
                 count = max(smallest, int(count * remaining / chunk_cost(count, start, self.key_equivalent)))
-            remaining -= chunk_cost(count, start, self.key_equivalent)
-            pieces.append((request, Piece(prompt[start:start + count], start, request.blocks.tables[0],
-                                          request.handle.adapter)))
-        return pieces
+            cost = chunk_cost(count, start, self.key_equivalent)
+            remaining -= cost
+            chunk.cost += cost
+            chunk.pieces.append((request, Piece(prompt[start:start + count], start, request.blocks.tables[0],
+                                                request.handle.adapter)))
+        return chunk
 
     def _prefilled(self, request: _Running, count: int) -> None:
         """``count`` more prompt positions are queued: index the prompt blocks they complete."""
