@@ -41,15 +41,12 @@ def decode_order(kernels, request):
         kernel.configs, kernel.cache = configs, cache
 
 
-@pytest.fixture(params=[64, 128], ids=["64-query programs", "128-query programs"])
-def chunk_rows(kernels, request):
-    """The chunk kernel runs with its first configuration of this many queries a program (one tile, or half)."""
-    tuned = kernels._chunk_tuned
-    saved = tuned.configs, tuned.cache
-    tuned.configs = [next(c for c in kernels._CHUNK_CONFIGS if c.kwargs["BLOCK_M"] == request.param)]
-    tuned.cache = {}
-    yield request.param
-    tuned.configs, tuned.cache = saved
+@pytest.fixture(params=[10**9, 8], ids=["splits of any length", "a split per 8 keys"])
+def split_keys(kernels, request, monkeypatch):
+    """The chunk kernel with its splits of at least ``CHUNK_SPLIT_KEYS`` keys: so many that a tile uses one split
+    (the others return at once), or few enough that short prefixes use several."""
+    monkeypatch.setattr(kernels, "CHUNK_SPLIT_KEYS", request.param)
+    return request.param
 
 
 def test_kernels_under_the_triton_interpreter():
@@ -113,7 +110,7 @@ def test_decode_kernel_matches_the_reference(kernels, decode_order, dtype, group
 @pytest.mark.parametrize("dtype, groups, per_group, dim, block_size, fp8", SHAPES)
 @pytest.mark.parametrize("splits, window, merged_in_place", [(1, None, False), (1, 11, False), (3, None, False),
                                                              (4, 11, False), (3, None, True), (4, 11, True)])
-def test_chunk_kernel_matches_the_reference(kernels, chunk_rows, dtype, groups, per_group, dim, block_size, fp8,
+def test_chunk_kernel_matches_the_reference(kernels, split_keys, dtype, groups, per_group, dim, block_size, fp8,
                                             splits, window, merged_in_place):
     """Three sequences of one chunk, two starting after cached positions (one past two whole key tiles, which the
     kernel reads unmasked), with padding after them; the tiles as the step builds them (at most CHUNK_TILE queries
