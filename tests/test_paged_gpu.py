@@ -82,13 +82,11 @@ def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("split_keys", [4096, 512])
 @torch.inference_mode()
-def test_every_chunk_configuration_matches_the_reference_over_a_long_prefix(fp8, split_keys, monkeypatch):
-    """Each chunk-kernel configuration, in bfloat16 (and on float8 blocks), for an unaligned 389-query chunk after
-    2,611 cached positions (LLaVA's 32 heads of 128), 1 to 4 splits launched, merged in place; the tiles use one
-    split (4,096 keys a split) or several (512)."""
-    monkeypatch.setattr(paged_triton, "CHUNK_SPLIT_KEYS", split_keys)
+def test_every_chunk_configuration_matches_the_reference_over_a_long_prefix(fp8):
+    """Each chunk-kernel configuration, in bfloat16 (and on float8 blocks), for
+    an unaligned 389-query chunk after 2,611 cached positions (LLaVA's 32 heads of 128), its keys in 1 to 4
+    splits, merged in place."""
     generator = torch.Generator("cuda").manual_seed(1)
     block_size, width, heads, dim, start, count = 16, 188, 32, 128, 2611, 389
     cache = _random_cache(width + 1, block_size, heads, dim, fp8, generator)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from exporter.llm import paged_attention  # noqa: E402
 from exporter.llm.paged_attention import FP8_DTYPE, Chunk, PagedBatch, PagedKVCache  # noqa: E402
@@ -41,12 +41,18 @@ def decode_order(kernels, request):
         kernel.configs, kernel.cache = configs, cache
 
 
-@pytest.fixture(params=[10**9, 8], ids=["splits of any length", "a split per 8 keys"])
-def split_keys(kernels, request, monkeypatch):
-    """The chunk kernel with its splits of at least ``CHUNK_SPLIT_KEYS`` keys: so many that a tile uses one split
-    (the others return at once), or few enough that short prefixes use several."""
-    monkeypatch.setattr(kernels, "CHUNK_SPLIT_KEYS", request.param)
-    return request.param
+@pytest.fixture(params=[64, 128], ids=["64-query programs", "128-query programs"])
+def chunk_rows(kernels, request):
+    """The chunk kernel runs with this many queries a program (half a tile, as its configurations have, or a
+    whole one, which the kernel supports too)."""
+    tuned = kernels._chunk_tuned
+    saved = tuned.configs, tuned.cache
+    first = kernels._CHUNK_CONFIGS[0]
+    tuned.configs = [triton.Config({**first.kwargs, "BLOCK_M": request.param}, num_warps=first.num_warps,
+                                   num_stages=first.num_stages)]
+    tuned.cache = {}
+    yield request.param
+    tuned.configs, tuned.cache = saved
 
 
 def test_kernels_under_the_triton_interpreter():
@@ -110,7 +116,7 @@ def test_decode_kernel_matches_the_reference(kernels, decode_order, dtype, group
 @pytest.mark.parametrize("dtype, groups, per_group, dim, block_size, fp8", SHAPES)
 @pytest.mark.parametrize("splits, window, merged_in_place", [(1, None, False), (1, 11, False), (3, None, False),
                                                              (4, 11, False), (3, None, True), (4, 11, True)])
-def test_chunk_kernel_matches_the_reference(kernels, split_keys, dtype, groups, per_group, dim, block_size, fp8,
+def test_chunk_kernel_matches_the_reference(kernels, chunk_rows, dtype, groups, per_group, dim, block_size, fp8,
                                             splits, window, merged_in_place):
     """Three sequences of one chunk, two starting after cached positions (one past two whole key tiles, which the
     kernel reads unmasked), with padding after them; the tiles as the step builds them (at most CHUNK_TILE queries

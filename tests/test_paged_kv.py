@@ -14,7 +14,7 @@ from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.paged_attention import FP8_DTYPE, PagedBatch, PagedKVCache, paged_attention
 from exporter.llm.paged_triton import split_count
 from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, SMALLEST_SHARE, ChunkPacer
-from exporter.runtime.cuda_graphs import Piece, chunk_bucket_sizes, chunk_splits_for
+from exporter.runtime.cuda_graphs import Piece, chunk_bucket_sizes
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
 from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, chunk_cost, generate
 from support.decoders import (
@@ -173,14 +173,6 @@ def test_a_lone_prompt_takes_max_num_tokens_a_step_and_beside_decoding_rows_at_m
     assert (0, 600) in captured and (1, 600) not in captured and (1, 384) in captured
     # the default cap's buckets: an image prompt of ~600 positions pads to 640, not to the next power of two
     assert chunk_bucket_sizes(2048) == [32, 64, 128, 256, 384, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048]
-
-
-def test_a_chunk_launches_the_key_splits_its_longest_prefix_can_use():
-    """One split per 4,096 keys of a row's longest prefix, a power of two up to 16 (the kernel uses those each
-    tile's own keys need); one where no Triton kernel runs."""
-    cuda = torch.device("cuda")  # a device object only: nothing runs on it
-    assert [chunk_splits_for(keys, cuda) for keys in (1024, 8191, 8192, 17_120, 40_000, 10**6)] == [1, 1, 2, 4, 8, 16]
-    assert chunk_splits_for(10**6, torch.device("cpu")) == 1
 
 
 def test_the_scheduler_chunks_follow_the_measured_times_and_its_tokens_stay_the_static_caches(model):

@@ -18,9 +18,7 @@ final output, never applied per element. A float8 cache's decode tiles take twic
 - `chunk`: query tiles of consecutive prompt positions of one row (a `tiles` table: sequence, first query, count,
   first position; the host cuts them `CHUNK_TILE` queries long), each attending causally to the row's blocks up to
   its own position; its key splits (a few tiles over a long prefix) merged the same way, per (tile, head). A
-  program takes `BLOCK_M` queries of a tile (a configuration's; 64: a tile is two programs). Of the splits a call
-  launches, a tile uses one per `CHUNK_SPLIT_KEYS` keys it attends to (a power of two, at least one): the others
-  return at once, as a short prefix gains less from more parts than their partial outputs cost to write and merge.
+  program takes `BLOCK_M` queries of a tile (a configuration's; 64: a tile is two programs).
 """
 
 from __future__ import annotations
@@ -41,8 +39,6 @@ except ImportError:  # no Triton: the reference path in exporter.llm.paged_atten
 CHUNK_TILE = 128  # query positions per chunk tile (the host cuts sequences into tiles of at most this size)
 TUNE_CONTEXT = 1024  # the positions of each decode row while the decode kernel's configurations are timed
 TUNE_PREFIX = 4096  # the cached positions before a chunk while the chunk kernel's configurations are timed
-CHUNK_SPLIT_KEYS = 4096  # keys a chunk tile's split takes at least (H100: 85 queries after 614 keys 35 us at 8
-# splits, 16 at 2; 384 after 16,000 keys 396 us at 2, 342 at 4)
 TUNE_MIN_BLOCKS = 256  # the smallest pool the configurations are timed over (a smaller one stays in the L2 cache)
 _LOG2E = 1.4426950408889634
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -172,8 +168,7 @@ def _chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scale
     _chunk_tuned[lambda meta: (count * (CHUNK_TILE // meta["BLOCK_M"]), heads, splits)](
         q, k, v, tables, tiles, k_scale, v_scale, target, lse, out, counters if merge else out, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0), *target_strides, tables.shape[1],
-        window or 0, _LOG2E / math.sqrt(dim), CHUNK_SPLIT_KEYS, QPG=heads // groups, D=dim, DP=_padded(dim),
-        BS=k.shape[1],
+        window or 0, _LOG2E / math.sqrt(dim), QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1],
         TILE=CHUNK_TILE, SPLITS=splits, FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype),
         MERGE=merge)
     if splits > 1 and not merge:
@@ -352,22 +347,20 @@ if triton is not None:
                     _merge_splits(out_ptr + row.to(tl.int64) * stride_or + heads[:, None] * stride_oh + d[None, :],
                                   lse_ptr + (row * (QPG * groups) + heads) * SPLITS,
                                   merged_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                                  head_ok[:, None] & d_ok[None, :], head_ok, stride_os, QP, DP, SPLITS, SPLITS)
+                                  head_ok[:, None] & d_ok[None, :], head_ok, stride_os, QP, DP, SPLITS)
 
     @triton.jit
     def _merge_splits(partial_ptrs, lse_ptrs, out_ptrs, mask, rows_ok, stride_os, ROWS: tl.constexpr,
-                      DP: tl.constexpr, SPLITS: tl.constexpr, used):
-        """The first ``used`` of the ``SPLITS`` splits' partial outputs (``partial_ptrs + split * stride_os``, read
-        past the L1 cache: other programs wrote them) weighted by their share of the softmax mass (``lse_ptrs +
-        split``), into ``out_ptrs``."""
+                      DP: tl.constexpr, SPLITS: tl.constexpr):
+        """The splits' partial outputs (``partial_ptrs + split * stride_os``, read past the L1 cache: other
+        programs wrote them) weighted by their share of the softmax mass (``lse_ptrs + split``), into
+        ``out_ptrs``."""
         running = tl.full((ROWS,), -1e30, dtype=tl.float32)
         mass = tl.zeros((ROWS,), dtype=tl.float32)
         acc = tl.zeros((ROWS, DP), dtype=tl.float32)
         for split in tl.static_range(SPLITS):
-            in_use = rows_ok & ((rows_ok.to(tl.int32) * 0 + split) < used)
-            lse = tl.load(lse_ptrs + split, mask=in_use, other=float("-inf"), cache_modifier=".cg")
-            partial = tl.load(partial_ptrs + split * stride_os, mask=mask & in_use[:, None], other=0.0,
-                              cache_modifier=".cg")
+            lse = tl.load(lse_ptrs + split, mask=rows_ok, other=float("-inf"), cache_modifier=".cg")
+            partial = tl.load(partial_ptrs + split * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
             new = tl.maximum(running, lse)
             alpha = tl.exp2(running - new)
             weight = tl.where(lse > float("-inf"), tl.exp2(lse - new), 0.0)
@@ -400,8 +393,7 @@ if triton is not None:
     @triton.jit
     def _paged_chunk_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
                             merged_ptr, counters_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                            stride_tr, stride_ot, stride_oh, stride_os, max_blocks, window, scale, split_keys,
-                            QPG: tl.constexpr,
+                            stride_tr, stride_ot, stride_oh, stride_os, max_blocks, window, scale, QPG: tl.constexpr,
                             D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
                             WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr):
@@ -439,15 +431,9 @@ if triton is not None:
             diagonal = lo
             if not WINDOWED:
                 diagonal = (start // BLOCK_N) * BLOCK_N
-            used = (end * 0 + 1).to(tl.int32)  # the splits this tile uses: a power of two, each of >= split_keys keys
-            for _ in tl.static_range(4):
-                if (used * 2 <= SPLITS) & (used * 2 * split_keys <= end - lo):
-                    used = used * 2
-            per_split = tl.cdiv(tl.cdiv(end - lo, BLOCK_N), used) * BLOCK_N
+            per_split = tl.cdiv(tl.cdiv(end - lo, BLOCK_N), SPLITS) * BLOCK_N
             lo = lo + split * per_split
             hi = tl.minimum(lo + per_split, end)
-            if split >= used:  # a part this tile does not use: no keys, nothing stored, no ticket
-                hi = lo
             for key_start in range(lo, tl.minimum(hi, diagonal), BLOCK_N):
                 keys = key_start + tl.arange(0, BLOCK_N)
                 m, total, acc = _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, keys[None, :] >= 0,
@@ -466,20 +452,19 @@ if triton is not None:
             out = out_ptr + tokens[:, None] * stride_ot + head * stride_oh + split * stride_os + d[None, :]
             if SPLITS == 1:
                 tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
-            elif split < used:
+            else:
                 tl.store(out, acc, mask=row_ok[:, None] & d_ok[None, :])
                 lse = tl.where(found, m + tl.log2(tl.where(found, total, 1.0)), float("-inf"))
                 tl.store(lse_ptr + (tokens * tl.num_programs(1) + head) * SPLITS + split, lse, mask=row_ok)
                 if MERGE:
                     tl.debug_barrier()
                     slot = program * tl.num_programs(1) + head
-                    if tl.atomic_add(counters_ptr + slot, 1, sem="acq_rel") == used - 1:
+                    if tl.atomic_add(counters_ptr + slot, 1, sem="acq_rel") == SPLITS - 1:
                         tl.store(counters_ptr + slot, 0)
                         _merge_splits(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + d[None, :],
                                       lse_ptr + (tokens * tl.num_programs(1) + head) * SPLITS,
                                       merged_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
-                                      row_ok[:, None] & d_ok[None, :], row_ok, stride_os, BLOCK_M, DP, SPLITS,
-                                      used)
+                                      row_ok[:, None] & d_ok[None, :], row_ok, stride_os, BLOCK_M, DP, SPLITS)
 
     # Decode reads the cache once: the configurations vary the keys per iteration and the pipelining depth that
     # keep HBM busy (H100: 64-128 keys of 128-dim bf16 per iteration, 2-4 stages; float8 halves the bytes).

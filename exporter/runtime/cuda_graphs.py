@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..llm.model import Decoder
 from ..llm.paged_attention import Chunk, PagedBatch, PagedKVCache
-from ..llm.paged_triton import CHUNK_SPLIT_KEYS, CHUNK_TILE, split_count
+from ..llm.paged_triton import CHUNK_TILE, split_count
 from ..llm.sampling import PARENT, POSITION, TOKEN, TokenChooser, host_to_device
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -50,15 +50,6 @@ def decode_splits(rows: int, heads: int, device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return split_count(rows * heads, 2 * torch.cuda.get_device_properties(device).multi_processor_count, MAX_SPLITS)
-
-
-def chunk_splits_for(keys: int, device: torch.device) -> int:
-    """The key splits a chunk tile over ``keys`` keys uses (on CUDA: one per ``CHUNK_SPLIT_KEYS``, a power of two,
-    at most ``MAX_SPLITS``)."""
-    splits = 1
-    while device.type == "cuda" and splits * 2 <= MAX_SPLITS and splits * 2 * CHUNK_SPLIT_KEYS <= keys:
-        splits *= 2
-    return splits
 
 
 def _always() -> bool:
@@ -216,7 +207,6 @@ class ForwardStep:
         self.buckets = bucket_sizes(tables.shape[0])
         self.chunk_buckets = chunk_bucket_sizes(max_chunk)
         self.splits = {rows: decode_splits(rows, model.kv_heads, device) for rows in self.buckets}
-        self.longest_chunk_splits = chunk_splits_for(tables.shape[1] * cache.block_size, device)
         self.graphs: dict[tuple[int, int, bool, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self.capture_on_demand = True  # a step whose graph is missing captures it (else it runs eagerly)
         self.chunk_beside_rows: int | None = None  # the largest chunk a step with decode rows takes (None: any)
@@ -476,11 +466,10 @@ class ForwardStep:
             adapters.append(chunk.adapters)
             output_index = torch.cat([torch.arange(rows, device=chunk.outputs.device), rows + chunk.outputs])
         prompt = None
-        if chunk is not None:  # its kernel's splits: as many as its tokens in whole query tiles need, or as a
-            # row's longest prefix can use (the kernel uses those a tile's keys need)
+        if chunk is not None:  # its kernel's splits: as many as its tokens in whole query tiles need
             tiles = -(-len(chunk.positions) // CHUNK_TILE)
-            prompt = replace(chunk.chunk, splits=max(decode_splits(tiles, self.model.config.num_attention_heads,
-                                                                   self.model.device), self.longest_chunk_splits))
+            prompt = replace(chunk.chunk, splits=decode_splits(tiles, self.model.config.num_attention_heads,
+                                                               self.model.device))
         batch = PagedBatch(self.cache, rows, self.tables, state[POSITION, :rows], span,
                            self.splits.get(rows, 1), prompt)
         logits = self.model(self._embeddings(embeds)[:, None], torch.cat(positions)[:, None], batch,
