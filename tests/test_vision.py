@@ -255,3 +255,20 @@ def test_dtype_argument():
         out = encoder(pixels_for(32))
     assert out.dtype == torch.bfloat16
     assert all(v.dtype == torch.bfloat16 for v in encoder.state_dict_for_engine().values())
+
+
+@pytest.mark.parametrize("adapter", ["linear", "mlp2x_gelu", "mlp_downsample"])
+def test_rebuilt_encoder_holds_the_given_tensors_once(adapter):
+    """The served encoder is built on the meta device and given the loaded tensors: its parameters are those
+    tensors (no initialisation, no second copy), and it answers as the export's encoder (transformers' tower)."""
+    cfg = model_config(adapter, vision_select_feature="patch")
+    encoder = build_vision_encoder(cfg, {**tower_state(tiny_tower("clip")), **projector_state(adapter)})
+    weights = {name: tensor.clone() for name, tensor in encoder.state_dict_for_engine().items()}
+    rebuilt = VisionEncoder.from_spec(encoder.spec(), weights)
+    held = {tensor.data_ptr() for tensor in weights.values()}
+    parameters = {parameter.data_ptr() for parameter in rebuilt.parameters()}
+    assert parameters == held
+    assert not any(parameter.requires_grad for parameter in rebuilt.parameters())
+    pixels = pixels_for(32)
+    with torch.no_grad():
+        torch.testing.assert_close(rebuilt(pixels), encoder(pixels), rtol=1e-5, atol=1e-5)

@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from wire.media import IMAGE
 
@@ -139,8 +140,11 @@ class ImageModel(ModelType):
         """The vision encoder, its image preprocessing (capped by ``media``) and ``use_im_start_end``, as
         ``save_perception`` wrote them."""
         config = json.loads((directory / "config.json").read_text())
-        weights = load_file(str(directory / "model.safetensors"), device=str(device))  # straight to the device
-        encoder = VisionEncoder.from_spec(config["encoder"], weights, dtype=dtype).to(device)
+        with safe_open(directory / "model.safetensors", framework="pt", device=str(device)) as stored:
+            # straight to the device, one tensor at a time in the serving dtype: the weights are held once
+            weights = {name: stored.get_tensor(name).to(dtype) if dtype else stored.get_tensor(name)
+                       for name in stored.keys()}
+        encoder = VisionEncoder.from_spec(config["encoder"], weights, dtype=dtype)  # the tensors become its weights
         overrides = {} if media is None else {"max_image_pixels": media.max_image_pixels}
         return encoder, encoder.preprocessor(**overrides), config["use_im_start_end"]
 

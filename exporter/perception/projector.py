@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..meta_device import on_meta
+
 PROJECTOR_PREFIX = "embedding.word_embeddings.adapter_layer.mm_projector_adapter.mm_projector."
 SUPPORTED_PROJECTORS = ("linear", "mlp{N}x_gelu (e.g. mlp2x_gelu)", "mlp_downsample", "identity")
 _MLP_GELU = re.compile(r"^mlp(\d+)x_gelu$")
@@ -89,9 +91,11 @@ def projector_weights(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch
 
 
 def load_projector_weights(
-    projector: nn.Module, weights: Mapping[str, torch.Tensor], adapter_type: str
+    projector: nn.Module, weights: Mapping[str, torch.Tensor], adapter_type: str, dtype: torch.dtype | None = None
 ) -> None:
-    """Strictly loads `weights` (names inside the projector) into `projector`; clear error otherwise."""
+    """Strictly gives `projector` the tensors of `weights` (names inside the projector) as its parameters, in
+    `dtype` (None: theirs); clear error otherwise. The tensors are assigned, not copied: a projector built on the
+    meta device ends up on their device, holding them once."""
     expected = projector.state_dict()
     missing = sorted(set(expected) - set(weights))
     unexpected = sorted(set(weights) - set(expected))
@@ -108,7 +112,17 @@ def load_projector_weights(
                 f"expected {tuple(tensor.shape)} from mm_cfg.vision_encoder.hidden_size and the LLM "
                 "hidden_size"
             )
-    projector.load_state_dict({k: weights[k] for k in expected})
+    projector.load_state_dict({k: weights[k].to(dtype or weights[k].dtype) for k in expected}, assign=True)
+
+
+def projector_from_weights(adapter_type: str, vision_hidden_size: int, llm_hidden_size: int,
+                           weights: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> nn.Module:
+    """The projector for `adapter_type` holding `weights` (names inside the projector) in `dtype`, built on the
+    meta device (no initialisation, no second copy of the weights), in eval mode without gradients."""
+    with on_meta():
+        projector = build_projector(adapter_type, vision_hidden_size, llm_hidden_size)
+    load_projector_weights(projector, weights, adapter_type, dtype)
+    return projector.eval().requires_grad_(False)
 
 
 def load_projector(
@@ -117,7 +131,5 @@ def load_projector(
     llm_hidden_size: int,
     state_dict: Mapping[str, torch.Tensor],
 ) -> nn.Module:
-    """Builds the projector and loads it from the canonical keys of `state_dict`."""
-    projector = build_projector(adapter_type, vision_hidden_size, llm_hidden_size)
-    load_projector_weights(projector, projector_weights(state_dict), adapter_type)
-    return projector
+    """The projector holding the canonical keys of `state_dict` (`projector_from_weights`)."""
+    return projector_from_weights(adapter_type, vision_hidden_size, llm_hidden_size, projector_weights(state_dict))

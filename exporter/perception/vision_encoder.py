@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .image_preprocess import DEFAULT_MAX_IMAGE_PIXELS, ImagePreprocessor
-from .projector import build_projector, downsampled_tokens, load_projector, load_projector_weights
+from .projector import downsampled_tokens, load_projector, projector_from_weights
 from .vision_tower import build_vision_tower, strip_hf_prefix
 from .vit import VisionTransformer
 
@@ -111,11 +111,9 @@ class VisionEncoder(nn.Module):
         except ValueError as error:
             raise VisionEncoderError(str(error)) from None
         projector_spec = spec["projector"]
-        projector = build_projector(
-            projector_spec["type"], projector_spec["vision_hidden_size"], projector_spec["llm_hidden_size"]
-        )
-        load_projector_weights(projector, projector_weights, projector_spec["type"])
-        return cls(tower, projector.to(dtype).eval().requires_grad_(False), spec)
+        projector = projector_from_weights(projector_spec["type"], projector_spec["vision_hidden_size"],
+                                           projector_spec["llm_hidden_size"], projector_weights, dtype)
+        return cls(tower, projector, spec)
 
 
 def build_vision_encoder(
