@@ -125,7 +125,9 @@ def _rank_logits(rank: int, port: int, config: DecoderConfig, whole: dict, embed
 ])
 def test_split_decoder_in_two_gloo_processes(tmp_path, overrides):
     """A decoder split over two gloo processes gives the whole decoder's float32 logits (a vocabulary of 63: the
-    head padded to 2 x 32 rows, the padding cut)."""
+    head padded to 2 x 32 rows, the padding cut). Seeded: the sums of the two ranks round differently from the
+    whole decoder's, by up to ~2e-5 on some random draws."""
+    torch.manual_seed(0)
     cfg = _gpt_config(**overrides)
     weights = select_llm_weights(make_tiny_gpt_weights(cfg, vocab=63))
     if cfg["share_embeddings_and_output_weights"]:
