@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
 import statistics
@@ -29,13 +28,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from coldstart_bench import PHASE_LINE, READY_LINE, wait_logged_ready  # noqa: E402
 from serve_bench import LLAVA_SHAPE, make_words, write_llava_nemo  # noqa: E402
 
 SHAPE = {"vision": LLAVA_SHAPE["vision"],
          "llm": dict(vocab_size=2048, hidden_size=4096, ffn_hidden_size=11008, num_layers=1, num_attention_heads=32)}
 LIMITS = {"max_batch_size": 2, "max_input_len": 2048, "max_output_len": 64}
-PHASE_LINE = re.compile(r"phase (.+?): ([0-9.]+) s")
-READY_LINE = re.compile(r"READY ([0-9.]+) s after the process started")
 
 
 def export(work: Path, device: str) -> Path:
@@ -95,11 +93,7 @@ def serve_once(engine: Path, device: str, log: Path) -> dict[str, float]:
         server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT,
                                   env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
-        deadline = time.monotonic() + 600
-        while not READY_LINE.search(log.read_text()):
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the server did not reach READY; see {log}")
-            time.sleep(0.05)
+        wait_logged_ready(server, log, timeout_s=600, poll_s=0.05)
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -107,7 +101,7 @@ def serve_once(engine: Path, device: str, log: Path) -> dict[str, float]:
         except subprocess.TimeoutExpired:
             server.kill()
     text = log.read_text()
-    phases = {name: float(seconds) for name, seconds in PHASE_LINE.findall(text)}
+    phases = {match[1]: float(match[2]) for match in map(PHASE_LINE.search, text.splitlines()) if match}
     phases["READY"] = float(READY_LINE.search(text).group(1))
     return phases
 
