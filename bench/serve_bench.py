@@ -100,7 +100,8 @@ class BenchRequest:
 
 @dataclass
 class Record:
-    """One request as its client saw it (time.monotonic seconds); `pieces` streamed, or None."""
+    """One request as its client saw it (time.monotonic seconds); `pieces` streamed, or None; `text`: a gRPC
+    stream's answer (its tokens are counted by the engine's tokenizer: the stream does not say them)."""
 
     start: float
     end: float
@@ -108,6 +109,7 @@ class Record:
     last: float | None = None
     pieces: int | None = None
     tokens: int | None = None
+    text: str | None = None
     error: str | None = None
 
 
@@ -159,6 +161,8 @@ def _send(protocol: str, urls: dict[str, str], request: BenchRequest) -> Record:
                 if isinstance(piece, dict) and piece.get("usage"):  # the OpenAI stream's last chunk
                     record.tokens = piece["usage"]["completion_tokens"]
                     continue
+                if isinstance(piece, str):
+                    record.text = (record.text or "") + piece
                 now = time.monotonic()
                 record.first = record.first or now
                 record.last = now
@@ -267,9 +271,11 @@ def _quantiles(values: list[float]) -> tuple[float | None, float | None]:
 
 
 def run_phase(protocol: str, urls: dict[str, str], requests: list[BenchRequest], processes: int,
-              concurrency: int | None = None, rate: float | None = None, server_pid: int | None = None) -> dict:
+              concurrency: int | None = None, rate: float | None = None, server_pid: int | None = None,
+              count_tokens: Callable[[str], int] | None = None) -> dict:
     """One phase over `processes` client processes; its numbers (with `server_pid`, also the CPU the server's
-    processes used: on a shared machine, what it got)."""
+    processes used: on a shared machine, what it got). TPOT is a streamed request's time from its first piece to
+    its last over its tokens after the first (a piece may hold several); `count_tokens` counts a gRPC stream's."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
     count = min(processes, concurrency or processes, len(requests))
@@ -294,7 +300,10 @@ def run_phase(protocol: str, urls: dict[str, str], requests: list[BenchRequest],
     wall = max(r.end for r in records) - min(r.start for r in records)
     streamed = [r for r in records if r.error is None and r.first is not None]
     ttft = _quantiles([(r.first - r.start) * 1e3 for r in streamed])
-    tpot = _quantiles([(r.last - r.first) * 1e3 / (r.pieces - 1) for r in streamed if r.pieces > 1])
+    for record in streamed:
+        if record.tokens is None and record.text is not None and count_tokens is not None:
+            record.tokens = count_tokens(record.text)
+    tpot = _quantiles([(r.last - r.first) * 1e3 / (r.tokens - 1) for r in streamed if (r.tokens or 0) > 1])
     latency = _quantiles([r.end - r.start for r in records if r.error is None])
     errors = [r.error for r in records if r.error is not None]
     return {"protocol": protocol, "mode": f"c={concurrency}" if concurrency else f"rate={rate:g}/s",
@@ -326,6 +335,16 @@ def _tree_cpu_s(pid: int | None) -> float:
 
 
 # --- the scheduler alone (in-process) --------------------------------------------------------------------------------
+
+def token_counter(engine_dir: Path) -> Callable[[str], int]:
+    """How many tokens the engine's tokenizer makes of a text (a streamed answer's, without its prompt)."""
+    from exporter.engine.directory import LLM_DIR
+    from exporter.llm.tokenizer import load_saved_tokenizer
+
+    llm_dir = engine_dir / LLM_DIR
+    tokenizer = load_saved_tokenizer(llm_dir, json.loads((llm_dir / "tokenizer_description.json").read_text()))
+    return lambda text: len(tokenizer.encode(text))
+
 
 def scheduler_only(engine_dir: Path, device: str, requests: list[BenchRequest], concurrencies: list[int]) -> dict:
     """Output tok/s of the same closed loop in-process: `TensorRTMMExporter.generate` from `c` threads."""
@@ -656,6 +675,7 @@ def main(argv: list[str] | None = None) -> dict:
                   "client_processes": args.processes, "phases": [],
                   "scheduler_tok_s": {} if ray else {str(c): v for c, v in scheduler_only(
                       engine_dir, device, pool, args.concurrency).items()}}
+        count_tokens = token_counter(engine_dir)
         servers = [(f"ray x{n}", partial(start_ray_server, engine_dir, device, n, args.ray_cpus_per_replica))
                    for n in args.ray_replicas] if ray else [("triton", partial(start_server, engine_dir, setting,
                                                                                device))]
@@ -671,7 +691,8 @@ def main(argv: list[str] | None = None) -> dict:
                     for load in loads:
                         count = args.requests or (_phase_size(load["concurrency"], len(pool)) if "concurrency" in load
                                                   else 64)
-                        phase = run_phase(protocol, urls, pool[:count], args.processes, server_pid=server.pid, **load)
+                        phase = run_phase(protocol, urls, pool[:count], args.processes, server_pid=server.pid,
+                                          count_tokens=count_tokens, **load)
                         result["phases"].append({"server": label, **phase})
                         print(report({**result, "phases": result["phases"][-1:]}).splitlines()[-1], flush=True)
             finally:

@@ -8,6 +8,7 @@ strings, long streams and cancellation.
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import io
 import json
 import os
@@ -27,6 +28,7 @@ from exporter import TensorRTMMExporter
 from exporter.llm.generate import SamplingParams
 from exporter.media_safety import MediaPolicy
 from exporter.runtime import Request
+from exporter.runtime import pipeline as pipeline_module
 from query import NemoQueryMultimodal
 from support.demo import COLOR_Q, DEMO_IMAGES, MODEL, SHAPE_Q, load_demo_builder
 from support.media import data_url, encode_mp4, png_bytes, random_image
@@ -342,6 +344,21 @@ def test_a_slow_stream_consumer_gets_fewer_longer_pieces(babbler):
         time.sleep(0.05)
     assert "".join(pieces) == whole.texts[0]
     assert len(pieces) <= len(whole.token_ids[0]) // 2
+
+
+def test_many_streams_space_their_pieces(babbler, monkeypatch):
+    """Pieces of one stream are (streams running) / STREAM_PIECES_PER_S apart: at a low rate four streams get
+    pieces of several tokens that still join to the answer, and a lone stream at the default rate gets more pieces
+    than one of the four."""
+    exporter, _, image = babbler
+    request = Request("describe the image", png_bytes(image), SamplingParams(max_output_len=60))
+    (whole,) = exporter.generate([request])
+    alone = list(exporter.stream(request))
+    monkeypatch.setattr(pipeline_module, "STREAM_PIECES_PER_S", 40.0)  # 4 streams: a piece each 0.1 s at most
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        paced = list(pool.map(lambda _: list(exporter.stream(request)), range(4)))
+    assert "".join(alone) == whole.texts[0] and all("".join(pieces) == whole.texts[0] for pieces in paced)
+    assert max(len(pieces) for pieces in paced) < len(alone)
 
 
 def test_closing_a_stream_cancels_its_generation(babbler, monkeypatch):

@@ -29,6 +29,13 @@ from .scheduler import Handle, Scheduler
 # the host phases ``Pipeline.on_phase`` reports, in the order a request meets them
 PHASES = ("media decode", "media hash", "preprocess", "encoder", "encoder cache hit", "tokenize", "embed", "submit")
 
+# Streamed pieces a second over all of a process's streams, at most (about). Every piece costs Python work in this
+# process (the detokenization, the server's serialization and send), under the GIL the scheduler's step loop needs
+# too: one piece a token for 32 streams slowed the H100's decode steps down to half their speed. So each stream
+# spaces its pieces by (streams running) / STREAM_PIECES_PER_S seconds: a lone stream still gets a piece a token,
+# a busy server sends fewer pieces of several tokens each.
+STREAM_PIECES_PER_S = 400.0
+
 
 @dataclass
 class Request:
@@ -95,6 +102,8 @@ class Pipeline:
         self._encoder_lock = threading.Lock()  # the encoder (and its CUDA graphs) serve one batch at a time
         self.submitted: list[Callable[[Handle], None]] = []  # observers of each request's handle (server metrics)
         self.on_phase: Callable[[str, float], None] | None = None
+        self._streams = 0  # streams running now (``stream``), under ``_streams_lock``
+        self._streams_lock = threading.Lock()
 
     def close(self) -> None:
         """Stop the scheduler's thread."""
@@ -131,8 +140,9 @@ class Pipeline:
     def stream(self, request: Request) -> Generator[str, None, Completion]:
         """Yield the text of one request's answer piece by piece as tokens are generated; return its Completion.
 
-        A piece holds every token generated since the consumer took the previous one: a consumer that keeps up gets
-        a piece a token, a slower one (a busy server sending many streams) fewer, longer pieces, never a backlog."""
+        A piece holds every token generated since the previous piece. Pieces of one stream are at least
+        (streams running) / ``STREAM_PIECES_PER_S`` seconds apart: alone, a stream gets a piece a token; with many
+        streams each piece holds several tokens, so their handling does not slow the decode steps down."""
         (prepared,) = self._prepare([request])
         if isinstance(prepared, Exception):
             raise prepared
@@ -143,13 +153,17 @@ class Pipeline:
         threading.Thread(target=lambda: (handle.wait(), tokens.put(None)), daemon=True).start()
         generated: list[int] = []
         sent = ""
+        with self._streams_lock:
+            self._streams += 1
         try:
-            finished = False
+            finished, next_piece_at = False, 0.0
             while not finished and (token := tokens.get()) is not None:
+                time.sleep(max(0.0, next_piece_at - time.monotonic()))  # the tokens meanwhile join this piece
                 generated.append(token)
                 finished = _take_queued(tokens, generated)
                 text = self.engine.tokenizer.decode(generated).lstrip()
                 if len(text) > len(sent) and not text.endswith("\ufffd"):  # hold back half a character
+                    next_piece_at = time.monotonic() + self._streams / STREAM_PIECES_PER_S
                     yield text[len(sent):]
                     sent = text
             handle.result()  # raises the request's error, if any
@@ -158,6 +172,8 @@ class Pipeline:
                 yield text[len(sent):]
             return self._completion([generated], prepared.layout)
         finally:
+            with self._streams_lock:
+                self._streams -= 1
             handle.cancel()  # a consumer that stops early frees the slot
 
     def _prepare(self, requests: list[Request]) -> list[_Prepared | Exception]:
