@@ -480,6 +480,9 @@ def _start_llm(model_dir: Path, device: str | torch.device, dtype: torch.dtype, 
     copied = [(tensor, loaded[name]) for name, tensor in decoder.state_dict(keep_vars=True).items()
               if tensor.data_ptr() != loaded[name].data_ptr()]
 
+    # The warm-up times kernel candidates while this fill's copies write into the GPU's memory: PCIe's 10-25 GB/s
+    # against the memory's ~3 TB/s may disturb a timing slightly; accepted (a choice is only ever one of the right
+    # kernels).
     def fill() -> None:
         with _reading_llm_weights(model_dir, LLM_WEIGHTS, device, "in the background, beside the warm-up") as (
                 progress, stats):
