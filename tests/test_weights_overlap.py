@@ -221,3 +221,12 @@ def test_which_engines_fill_their_weights_in_the_background(device, tp, served, 
 def test_the_manifest_records_what_background_fill_reads(engines):
     manifest = json.loads((engines["int4"][0] / "manifest.json").read_text())
     assert manifest["dtype"] == "bfloat16" and manifest["tensor_parallel_size"] == 1
+
+
+def test_the_warm_up_line_splits_the_captures_into_their_runs_and_the_captures():
+    from exporter.tensorrt_mm_exporter import _describe_capture
+
+    stats = {"before": 16, "before_s": 7.16, "before_runs_s": 6.02, "before_capture_s": 1.1, "left": 46}
+    assert _describe_capture(stats) == ("16 step graphs captured in 7.16 s (warm-up runs 6.02 s, captures 1.10 s), "
+                                        "46 left for the background")
+    assert _describe_capture({"before": 0, "left": 0}) == ""
