@@ -168,7 +168,10 @@ def test_a_weights_file_cut_short_while_it_is_read_fails_the_load(engines, gate,
                                           r"\(the file ended before its data did\)") as error:
         TensorRTMMExporter(short, device="cpu", verify_engine=False)
     assert "\n" not in str(error.value) and str(tmp_path) not in str(error.value)
-    assert not any(thread.name.startswith("engine-fill") for thread in threading.enumerate())
+    for thread in threading.enumerate():  # the fill's thread ends (it may take a moment to exit its pool)
+        if thread.name.startswith("engine-fill"):
+            thread.join(10)
+            assert not thread.is_alive()
 
 
 def random_weights() -> dict[str, torch.Tensor]:
@@ -230,3 +233,17 @@ def test_the_warm_up_line_splits_the_captures_into_their_runs_and_the_captures()
     assert _describe_capture(stats) == ("16 step graphs captured in 7.16 s (warm-up runs 6.02 s, captures 1.10 s), "
                                         "46 left for the background")
     assert _describe_capture({"before": 0, "left": 0}) == ""
+
+
+def test_tensors_the_decoder_took_as_copies_get_the_files_values_too(engines, gate):
+    """A decoder that casts what it is given (float32 file, bfloat16 decoder: `background_fill` never asks for
+    it, for memory's sake, but any tensor it copies, a quantized engine's scale say, goes the same way)."""
+    folder, _ = engines["float32"]
+    arriving = directory._start_llm(folder, "cpu", torch.bfloat16, None, None)
+    state = arriving.decoder.state_dict()
+    assert len(arriving.copied) == len(state) and not any(t.any() for t in state.values())
+    gate.set()
+    arriving.wait()
+    expected = load_file(folder / LLM_WEIGHTS)
+    assert all(torch.equal(tensor, expected[name].to(torch.bfloat16)) for name, tensor in
+               arriving.decoder.state_dict().items())
