@@ -16,7 +16,6 @@ import json
 import logging
 import shutil
 import threading
-from pathlib import Path
 
 import pytest
 import torch
