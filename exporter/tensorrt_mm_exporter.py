@@ -7,6 +7,7 @@ vision encoder as ONNX, the file a TensorRT build consumes elsewhere.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -196,21 +197,57 @@ class TensorRTMMExporter(ITritonDeployable):
             if size > 1:  # the other ranks load their parts meanwhile
                 self.ranks = Ranks(self.model_dir, size, self.device, manifest["dtype"])
             try:
+                # on a GPU the LLM weights arrive while the warm-up runs (a float8 KV cache is calibrated on them)
                 self.engine = load_engine(self.model_dir, device=self.device, media=self.media_policy,
-                                          verify=self.verify_engine, lora=self.lora)
+                                          verify=self.verify_engine, lora=self.lora,
+                                          weights_in_background=self.kv_cache.dtype != "fp8")
             except BaseException:
                 self.close()
                 raise
             self.engine.decoder.tp = None if self.ranks is None else self.ranks.tp
+        try:
+            self._warm_up(kernels)
+            if self.engine.arriving is not None:
+                with phase("wait for the LLM weights") as note:
+                    note["detail"] = "they arrived during the warm-up" if self.engine.arriving.pending.done() \
+                        else "the warm-up ended first"
+                    self.engine.wait_for_weights()
+        except BaseException:
+            self.engine.abandon_weights()
+            self.close()
+            self.engine = None
+            raise
+
+    def _warm_up(self, kernels: KernelCache | None) -> None:
+        """Build the pipeline (its KV pool, its scheduler capturing the step graphs a first request runs on a GPU),
+        with the kernel cache restored first and saved after; the phase line's detail times each part. The LLM
+        weights' values may still be arriving: nothing here keeps what it computes from them."""
         with phase("warm-up: compile, choose kernels, capture graphs") as note:
+            started = time.perf_counter()
             restored = kernels.restore() if kernels is not None else None
+            restored_at = time.perf_counter()
             self.pipeline = Pipeline(self.engine, kv_cache=self.kv_cache, max_num_tokens=self.max_num_tokens)
+            built_at = time.perf_counter()
             scheduler = self.pipeline.scheduler
-            details = [_describe_capture(scheduler.capture_stats)]
+            stats = scheduler.capture_stats
+            parts = {"pipeline built": built_at - restored_at - stats.get("before_s", 0.0),
+                     "captures": stats.get("before_s", 0.0)}
+            details = []
+            if restored is not None:
+                parts["kernel cache restore"] = restored_at - started
+                details.append(f"{restored.describe()}, restored in {parts['kernel cache restore']:.2f} s")
+            details.append(f"pipeline built in {parts['pipeline built']:.2f} s (KV pool {scheduler.kv_pool_s:.2f} s)")
+            details.append(_describe_capture(stats))
             if restored is not None:
                 scheduler.on_captured = kernels.save  # the background captures' choices too
-                details.append(f"{restored.describe()}; {'saved' if kernels.save() else 'not saved'}")
-            details.append(compile_summary())
+                saving = time.perf_counter()
+                saved = kernels.save()
+                parts["kernel cache save"] = time.perf_counter() - saving
+                details.append(f"kernel cache {'saved' if saved else 'not saved'} in "
+                               f"{parts['kernel cache save']:.2f} s")
+            compiled = compile_summary()
+            details.append(compiled and f"{compiled} (inside the warm-up runs)")
+            details.append(f"other {time.perf_counter() - started - sum(parts.values()):.2f} s")
             note["detail"] = "; ".join(detail for detail in details if detail)
 
     def close(self) -> None:
@@ -387,8 +424,10 @@ def _default_device() -> str:
 
 
 def _describe_capture(stats: dict[str, float]) -> str:
-    """The warm-up's step graphs, for its phase line: captured before READY, and left for the background."""
+    """The warm-up's step graphs, for its phase line: captured before READY (the warm-up runs' time, which holds
+    compiling and choosing kernels, and the captures'), and left for the background."""
     if not stats.get("before") and not stats.get("left"):
         return ""
-    return (f"{stats['before']:.0f} step graphs captured in {stats['before_s']:.2f} s, "
+    return (f"{stats['before']:.0f} step graphs captured in {stats['before_s']:.2f} s (warm-up runs "
+            f"{stats.get('before_runs_s', 0.0):.2f} s, captures {stats.get('before_capture_s', 0.0):.2f} s), "
             f"{stats['left']:.0f} left for the background")

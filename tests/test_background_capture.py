@@ -49,7 +49,7 @@ def captures(monkeypatch) -> _Captures:
     """Graphs "captured" on the CPU, recorded."""
     records = _Captures()
 
-    def capture(fn, pool, proceed=None):
+    def capture(fn, pool, proceed=None, seconds=None):
         busy = any(scheduler.waiting or any(scheduler.slots) for scheduler in records.schedulers)
         records.append((threading.current_thread().name, busy))
         records.times.append(time.monotonic())
@@ -198,7 +198,7 @@ def _wait_until(condition: Callable[[], bool], timeout: float = 30) -> None:
 def test_a_failing_background_capture_leaves_the_steps_eager(model, captures, monkeypatch):
     scheduler = _graphed_scheduler(model, captures)
     scheduler.warm_up(rest_in_background=True)
-    _ready_and_eager(scheduler, monkeypatch, capture=lambda fn, pool, proceed: 1 / 0)
+    _ready_and_eager(scheduler, monkeypatch, capture=lambda fn, pool, proceed, seconds: 1 / 0)
     try:
         _wait_until(lambda: not scheduler._capture_later)  # gave up after the failure
         embeds, ids, params = _prompts(model)[0]
@@ -243,7 +243,7 @@ def test_a_request_during_a_background_capture_puts_it_off(model, captures, monk
     done = threading.Event()
     scheduler.on_captured = done.set
 
-    def slow_capture(fn, pool, proceed):  # a capture that compiles and times kernels: long against a step
+    def slow_capture(fn, pool, proceed, seconds):  # a capture that compiles and times kernels: long against a step
         starts.append(time.monotonic())
         for _ in range(20 if slow.is_set() else 0):
             if not proceed():
@@ -282,7 +282,7 @@ def test_a_step_whose_graph_is_not_captured_yet_runs_a_bigger_captured_bucket(mo
         def replay(self):
             self.output.copy_(self.fn())
 
-    def capture(fn, pool, proceed=None):
+    def capture(fn, pool, proceed=None, seconds=None):
         graph = Replayed(fn)
         return graph, graph.output
 

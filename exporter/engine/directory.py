@@ -29,6 +29,7 @@ from ..llm.config import DecoderConfig
 from ..llm.lora_layers import LoraBank, check_lora_adapter
 from ..llm.model import Decoder, select_llm_weights
 from ..llm.quant.convert import ExportQuantization
+from ..llm.quant.kernels import remake_copies
 from ..llm.tensor_parallel import EMBEDDING, Shard, adopt_nemo_shard, check_tensor_parallel, split_weights
 from ..llm.tokenizer import Tokenizer, load_saved_tokenizer
 from ..lora import (
@@ -48,9 +49,9 @@ from ..models import Perception, get_model_type
 from ..models.templates import ChatTemplate
 from .atomic import install, previous_engine, staging_folder
 from .errors import EngineError
-from .integrity import AGAIN, MANIFEST, check_files, describe_files, mark_verified, sha256_file
+from .integrity import AGAIN, MANIFEST, HashCheck, check_files, describe_files, mark_verified, sha256_file
 from .limits import EngineLimits
-from .loading import LoadStats, load_tensors
+from .loading import LoadStats, PendingWeights, load_tensors
 from .progress import byte_progress, phase, timeline
 from .writing import stream_tensors, write_tensors
 
@@ -58,6 +59,9 @@ FORMAT_VERSION = 2
 LLM_DIR = "llm_engine"
 LLM_WEIGHTS = f"{LLM_DIR}/model.safetensors"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# the devices whose LLM weights `load_engine(weights_in_background=True)` fills beside the warm-up (on the CPU the
+# file is mapped: nothing to wait for)
+BACKGROUND_DEVICE_TYPES = ("cuda",)
 
 
 def llm_weights_file(shard: Shard) -> str:
@@ -330,7 +334,9 @@ def package_version() -> str:
 
 @dataclass
 class Engine:
-    """Everything needed to answer requests, read from an engine directory."""
+    """Everything needed to answer requests, read from an engine directory. ``arriving``: the LLM weights still
+    being filled in (`load_engine(weights_in_background=True)`); call ``wait_for_weights`` before using their
+    values."""
 
     manifest: dict[str, Any]
     limits: EngineLimits
@@ -338,6 +344,7 @@ class Engine:
     tokenizer: Tokenizer
     template: ChatTemplate
     perception: Perception
+    arriving: ArrivingWeights | None = None
 
     @property
     def model_type(self) -> str:
@@ -346,6 +353,42 @@ class Engine:
     @property
     def modality(self) -> str:
         return self.manifest["modality"]
+
+    def wait_for_weights(self) -> None:
+        """Return once the LLM weights hold their file's values (at once if they were loaded in full); an
+        EngineError if the file turned out bad (unreadable, short, or a hash mismatch)."""
+        arriving, self.arriving = self.arriving, None
+        if arriving is not None:
+            arriving.wait()
+
+    def abandon_weights(self) -> None:
+        """Stop filling the LLM weights in (the load failed after it began)."""
+        arriving, self.arriving = self.arriving, None
+        if arriving is not None:
+            arriving.pending.cancel()
+
+
+@dataclass
+class ArrivingWeights:
+    """LLM weights being filled in from their file while the decoder over them is already built, and what must
+    follow once they are in: tensors the decoder took as copies of the loaded ones (a dtype cast) copied again,
+    the quantized kernels' copies of the weights made again (`quant.kernels.remake_copies`), the hash check
+    finished."""
+
+    pending: PendingWeights
+    decoder: Decoder
+    copied: list[tuple[torch.Tensor, torch.Tensor]]  # (the decoder's tensor, the loaded one it was copied from)
+    hash_check: HashCheck | None
+
+    def wait(self) -> None:
+        self.pending.wait()
+        for tensor, loaded in self.copied:
+            tensor.copy_(loaded)
+        self.copied = []
+        remake_copies([*self.decoder.parameters(), *self.decoder.buffers()])
+        if self.hash_check is not None:
+            with phase("finish the hash check"):
+                self.hash_check.finish()
 
 
 def read_manifest(model_dir: str | Path) -> dict[str, Any]:
@@ -365,14 +408,19 @@ def read_manifest(model_dir: str | Path) -> dict[str, Any]:
 
 
 def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = None,
-                media: MediaPolicy | None = None, verify: bool | None = None, lora: LoraOptions | None = None
-                ) -> Engine:
+                media: MediaPolicy | None = None, verify: bool | None = None, lora: LoraOptions | None = None,
+                weights_in_background: bool = False) -> Engine:
     """Load an exported engine directory (no checkpoint, no network) onto ``device``; ``media`` caps decoding.
 
     File sizes are always checked; sha256 hashes when ``verify`` (None: when the files were not verified in their
     current state before, see `exporter.engine.integrity`). A bad file is an EngineError naming it. The engine's
     LoRA adapters, and those of ``lora``, are served from a ``LoraBank`` on the decoder. A tensor-parallel engine
     loads rank 0's part here (`exporter.runtime.tensor_parallel` starts the other ranks, `load_llm_shard`).
+
+    ``weights_in_background``: where `background_fill` allows, return before the LLM weights' values have
+    arrived (``Engine.arriving``): the decoder is built over zeroed tensors at their final addresses and a thread
+    fills them in (and finishes the hash check); ``Engine.wait_for_weights()`` must return before anything uses
+    their values.
     """
     model_dir = Path(model_dir)
     manifest = read_manifest(model_dir)
@@ -385,20 +433,62 @@ def load_engine(model_dir: str | Path, device: str = "cpu", dtype: str | None = 
     target = torch_dtype(dtype or manifest["dtype"])
     llm_dir = model_dir / LLM_DIR
     limits = EngineLimits(**manifest["limits"])
+    digest = hash_check.digests[weights_file] if hash_check else None
+    arriving = None
     with ThreadPoolExecutor(1, thread_name_prefix="perception-load") as pool:
         rest = pool.submit(_load_rest, kind, model_dir, device, target, media,  # while the LLM weights stream in
                            limits.vision_max_batch_size)
-        decoder = load_llm_shard(model_dir, shard, device, target, hash_check.digests[weights_file] if hash_check
-                                 else None)
-        if shard.size > 1 and (manifest.get("lora") is not None or (lora is not None and lora.asked)):
-            raise EngineError("LoRA adapters are not served with tensor_parallel_size > 1; export the model with "
-                              "tensor_parallel_size 1 to serve them")
-        _serve_lora(decoder, manifest.get("lora"), llm_dir / LORA_DIR, lora or LoraOptions())
-        tokenizer, template, perception = rest.result()
-    if hash_check is not None:
+        if weights_in_background and background_fill(manifest, device, target):
+            arriving = _start_llm(model_dir, device, target, digest, hash_check)
+            decoder = arriving.decoder
+        else:
+            decoder = load_llm_shard(model_dir, shard, device, target, digest)
+        try:
+            if shard.size > 1 and (manifest.get("lora") is not None or (lora is not None and lora.asked)):
+                raise EngineError("LoRA adapters are not served with tensor_parallel_size > 1; export the model "
+                                  "with tensor_parallel_size 1 to serve them")
+            _serve_lora(decoder, manifest.get("lora"), llm_dir / LORA_DIR, lora or LoraOptions())
+            tokenizer, template, perception = rest.result()
+        except BaseException:
+            if arriving is not None:
+                arriving.pending.cancel()
+            raise
+    if hash_check is not None and arriving is None:
         with phase("finish the hash check"):
             hash_check.finish()
-    return Engine(manifest, limits, decoder, tokenizer, template, perception)
+    return Engine(manifest, limits, decoder, tokenizer, template, perception, arriving)
+
+
+def background_fill(manifest: dict[str, Any], device: str | torch.device, dtype: torch.dtype) -> bool:
+    """Whether an engine's LLM weights may be filled in beside the warm-up: on a GPU (`BACKGROUND_DEVICE_TYPES`),
+    one rank (the other ranks' processes load their parts whole), served in the dtype it was exported in (a cast
+    would hold the file's buffer and the cast copy at once, and the KV pool is sized meanwhile). Quantized
+    engines and LoRA adapters qualify: their kernels' copies of the weights are made again once the values are in
+    (`ArrivingWeights`); a float8 KV cache, calibrated on the weights, is the caller's to exclude."""
+    return (torch.device(device).type in BACKGROUND_DEVICE_TYPES and tensor_parallel_size(manifest) == 1
+            and dtype == torch_dtype(manifest["dtype"]))
+
+
+def _start_llm(model_dir: Path, device: str | torch.device, dtype: torch.dtype, digest, hash_check: HashCheck | None
+               ) -> ArrivingWeights:
+    """The decoder of a one-rank engine over its weights' tensors, zeroed, and their fill from the file started."""
+    path = model_dir / LLM_WEIGHTS
+    with _llm_weights_errors(LLM_WEIGHTS):
+        pending = PendingWeights(path, device)
+    decoder = Decoder.from_state_dict(_decoder_config(model_dir), pending.tensors, dtype=dtype, device=device)
+    loaded = pending.tensors
+    copied = [(tensor, loaded[name]) for name, tensor in decoder.state_dict(keep_vars=True).items()
+              if tensor.data_ptr() != loaded[name].data_ptr()]
+
+    # The warm-up times kernel candidates while this fill's copies write into the GPU's memory: PCIe's 10-25 GB/s
+    # against the memory's ~3 TB/s may disturb a timing slightly; accepted (a choice is only ever one of the right
+    # kernels).
+    def fill() -> None:
+        with _reading_llm_weights(model_dir, LLM_WEIGHTS, device, "in the background, beside the warm-up") as (
+                progress, stats):
+            pending.fill(digest, progress, stats)
+
+    return ArrivingWeights(pending.start(fill), decoder, copied, hash_check)
 
 
 def tensor_parallel_size(manifest: dict[str, Any]) -> int:
@@ -409,9 +499,12 @@ def tensor_parallel_size(manifest: dict[str, Any]) -> int:
 def load_llm_shard(model_dir: Path, shard: Shard, device: str | torch.device, dtype: torch.dtype,
                    digest=None) -> Decoder:
     """A rank's decoder (`shard`) of an engine on `device` in `dtype`; `digest` is fed its file's bytes."""
-    config = DecoderConfig.from_dict(json.loads((model_dir / LLM_DIR / "config.json").read_text()))
     weights = load_llm_weights(model_dir, device, digest, llm_weights_file(shard))
-    return Decoder.from_state_dict(config, weights, dtype=dtype, device=device, shard=shard)
+    return Decoder.from_state_dict(_decoder_config(model_dir), weights, dtype=dtype, device=device, shard=shard)
+
+
+def _decoder_config(model_dir: Path) -> DecoderConfig:
+    return DecoderConfig.from_dict(json.loads((model_dir / LLM_DIR / "config.json").read_text()))
 
 
 def load_llm_weights(model_dir: Path, device: str | torch.device, digest=None,
@@ -419,17 +512,31 @@ def load_llm_weights(model_dir: Path, device: str | torch.device, digest=None,
     """The LLM weights of an engine (file `name`) on `device` (`exporter.engine.loading`), logged as the read +
     transfer phase; `digest` is fed the file's bytes."""
     path = model_dir / name
+    with _reading_llm_weights(model_dir, name, device) as (progress, stats):
+        return load_tensors(path, device, digest, progress, stats)
+
+
+@contextlib.contextmanager
+def _reading_llm_weights(model_dir: Path, name: str, device: str | torch.device, how: str = ""
+                         ) -> Iterator[tuple[Callable[[int], None], LoadStats]]:
+    """The read + transfer phase of the engine's LLM weights file `name` around the block (which reads it,
+    reporting to the progress callback and stats yielded); `how` is added to the phase's detail."""
     stats = LoadStats()
-    with phase("LLM weights: read + transfer") as note, \
-            byte_progress("loading the LLM weights", path.stat().st_size) as progress:
-        try:
-            weights = load_tensors(path, device, digest, progress, stats)
-        except ValueError as error:
-            raise EngineError(f"engine file {name} is not a readable safetensors file ({error}); "
-                              f"{AGAIN}") from None
+    with _llm_weights_errors(name), phase("LLM weights: read + transfer") as note, \
+            byte_progress("loading the LLM weights", (model_dir / name).stat().st_size) as progress:
+        yield progress, stats
         note["detail"] = f"{stats.describe()} to {device}" + \
-            (f"; reading busy {stats.read_seconds:.2f} s over its threads" if stats.read_seconds else "")
-    return weights
+            (f"; reading busy {stats.read_seconds:.2f} s over its threads" if stats.read_seconds else "") + \
+            (f"; {how}" if how else "")
+
+
+@contextlib.contextmanager
+def _llm_weights_errors(name: str) -> Iterator[None]:
+    """A ValueError from reading LLM weights file `name` (not valid safetensors, or short) as one EngineError."""
+    try:
+        yield
+    except ValueError as error:
+        raise EngineError(f"engine file {name} is not a readable safetensors file ({error}); {AGAIN}") from None
 
 
 def _load_rest(kind, model_dir: Path, device: str, dtype: torch.dtype, media: MediaPolicy | None,

@@ -10,6 +10,7 @@ and positions compute on filler (writing to the KV cache's null block) and are d
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -56,12 +57,15 @@ def _always() -> bool:
     return True
 
 
-def capture(fn: Callable[[], Any], pool: tuple, proceed: Callable[[], bool] = _always
-            ) -> tuple[torch.cuda.CUDAGraph, Any] | None:
+def capture(fn: Callable[[], Any], pool: tuple, proceed: Callable[[], bool] = _always,
+            seconds: dict[str, float] | None = None) -> tuple[torch.cuda.CUDAGraph, Any] | None:
     """A CUDA graph of ``fn()`` (which reads only static buffers) and its static output; None (nothing captured)
-    where ``proceed()``, asked before each of its slices (two warm-up runs, then the capture), says stop."""
+    where ``proceed()``, asked before each of its slices (two warm-up runs, then the capture), says stop.
+    ``seconds["runs"]`` and ``seconds["capture"]`` are added the warm-up runs' time (to the end of their device
+    work) and the capture's."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
+    started = time.perf_counter()
     try:
         for _ in range(2):  # warm-up runs compile, pick kernels and allocate workspaces outside the graph
             if not proceed():
@@ -70,12 +74,18 @@ def capture(fn: Callable[[], Any], pool: tuple, proceed: Callable[[], bool] = _a
                 fn()
     finally:
         torch.cuda.current_stream().wait_stream(side)
+    if seconds is not None:
+        side.synchronize()  # costs nothing: entering torch.cuda.graph synchronizes the device anyway
+        seconds["runs"] = seconds.get("runs", 0.0) + time.perf_counter() - started
     if not proceed():
         return None
+    ran = time.perf_counter()
     graph = torch.cuda.CUDAGraph()
     # thread_local: another thread (an encoder beside a background capture) may use the device meanwhile
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         output = fn()
+    if seconds is not None:
+        seconds["capture"] = seconds.get("capture", 0.0) + time.perf_counter() - ran
     return graph, output
 
 
@@ -212,6 +222,7 @@ class ForwardStep:
         self.chunk_beside_rows: int | None = None  # the largest chunk a step with decode rows takes (None: any)
         self.eager_steps = 0  # steps of a captured shape that ran eagerly, their graph not captured yet
         self.padded_steps = 0  # steps that ran a bigger bucket's graph, their own not captured yet
+        self.capture_seconds: dict[str, float] = {}  # the step graphs' warm-up runs and captures so far (`capture`)
         self.adapters = None if model.lora is None else torch.zeros(tables.shape[0], dtype=torch.long, device=device)
         if self.enabled:
             self.allocate_static_inputs()
@@ -443,7 +454,8 @@ class ForwardStep:
             self.ints.zero_()
         chunk = self._static_chunk(padded) if padded else None
         try:
-            captured = capture(lambda: self._compute(rows, chunk, full, 0, lora), self.pool, proceed)
+            captured = capture(lambda: self._compute(rows, chunk, full, 0, lora), self.pool, proceed,
+                               self.capture_seconds)
         finally:
             self.chooser.restore(saved)
         if captured is not None:

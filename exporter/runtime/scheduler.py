@@ -261,8 +261,10 @@ class Scheduler:
         # past every row's position) write to the null block
         width = -(-max_seq_len // self.block_size) + 1
         reserve = 2 * activation_bytes(model, max_slots, max_num_tokens, max_beam_width) if device.type == "cuda" else 0
+        started = time.perf_counter()
         self.cache = allocate_cache(model, options, rows=max_slots, blocks_per_row=width - 1, reserve_bytes=reserve,
                                     scales=kv_cache_scales)
+        self.kv_pool_s = time.perf_counter() - started  # sizing and zeroing the KV pool (a start-up phase's detail)
         self.pool = BlockPool(self.cache.num_blocks)
         self.tables = BlockTables(max_slots, width, device)
         self.slots: list[_Running | None] = [None] * max_slots
@@ -366,7 +368,9 @@ class Scheduler:
         self.forward.capture_on_demand = not rest_in_background
         with torch.inference_mode():
             captured = self.forward.capture_all(first_only=rest_in_background)
+        seconds = self.forward.capture_seconds
         self.capture_stats.update(before=captured, before_s=time.perf_counter() - started,
+                                  before_runs_s=seconds.get("runs", 0.0), before_capture_s=seconds.get("capture", 0.0),
                                   left=self.forward.uncaptured())
         self._capture_later = rest_in_background and self.capture_stats["left"] > 0
         if not self._capture_later:

@@ -39,7 +39,7 @@ all of it can be captured in CUDA graphs.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +63,8 @@ SPLIT_ROWS = 64  # above this many rows the output tiles alone fill the GPU: no 
 _COPY_READERS = {"tinygemm": ("tinygemm",), "packed": ("packed", "packed_split"), "scaled_mm": ("scaled_mm",)}
 # copy name -> {weight -> its copy}, made when a reader first runs (by identity: a tensor's == is elementwise)
 _COPIES = {name: WeakIdKeyDictionary() for name in _COPY_READERS}
+# copy name -> {weight -> how its copy is made from it: make(weight)} (for `remake_copies`)
+_MAKERS = {name: WeakIdKeyDictionary() for name in _COPY_READERS}
 # copy name -> the weights some product chose a reader of that copy for (-> True): those copies stay (a captured
 # graph may read them)
 _COPIES_KEPT = {name: WeakIdKeyDictionary() for name in _COPY_READERS}
@@ -214,7 +216,7 @@ def packed_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor,
     groups, SPLIT_K when split) runs one tile shape instead of the autotuned choice (for tests, also under
     `TRITON_INTERPRET=1`)."""
     rows, n, k = x.shape[0], layout.out_features, layout.in_features
-    words = _copy_of("packed", weight, lambda: pack_int4_words(layout, weight))
+    words = _copy_of("packed", weight, functools.partial(pack_int4_words, layout))
     split = split or (config or {}).get("SPLIT_K", 1) > 1
     arguments = dict(G=layout.group, HAS_INPUT_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
                      GATED=gated, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
@@ -279,21 +281,42 @@ def _settle_copies(weight: Tensor, key: tuple) -> None:
                 _COPIES_KEPT[name][weight] = True
             else:
                 del _COPIES[name][weight]
+                _MAKERS[name].pop(weight, None)
 
 
-def _copy_of(name: str, weight: Tensor, make) -> object:
-    """The copy `name` of `weight`, made by `make()` the first time."""
+def _copy_of(name: str, weight: Tensor, make: Callable[[Tensor], object]) -> object:
+    """The copy `name` of `weight`, made by `make(weight)` the first time (`make` must not hold `weight` itself:
+    the copies are kept by weak reference to it)."""
     copy = _COPIES[name].get(weight)
     if copy is None:
-        copy = _COPIES[name][weight] = make()
+        copy = _COPIES[name][weight] = make(weight)
+        _MAKERS[name][weight] = make
     return copy
+
+
+def remake_copies(weights: Iterable[Tensor]) -> int:
+    """Make the copies of `weights` (and of their scales) again, in place (the addresses captured CUDA graphs
+    read stay), from the values they hold now: after weights were filled in while kernels already ran on them
+    (`exporter.engine.loading.PendingWeights`). Returns how many copies were made again."""
+    remade = 0
+    for weight in weights:
+        for name, copies in _COPIES.items():
+            copy = copies.get(weight)
+            if copy is None:
+                continue
+            fresh = _MAKERS[name][weight](weight)
+            olds, news = (copy, fresh) if isinstance(copy, tuple) else ((copy,), (fresh,))
+            for old, new in zip(olds, news, strict=True):
+                old.copy_(new)
+            remade += 1
+    return remade
 
 
 def _tinygemm_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor,
                      input_scale: Tensor | None, bias: Tensor | None) -> Tensor:
     inner_k_tiles = next(tiles for tiles in (8, 4, 2) if layout.in_features % (tiles * 16) == 0)
-    packed = _copy_of("tinygemm", weight, lambda: (
-        torch.ops.aten._convert_weight_to_int4pack(tinygemm_nibbles(weight).contiguous(), inner_k_tiles),
+    packed = _copy_of("tinygemm", weight, lambda stored: (
+        torch.ops.aten._convert_weight_to_int4pack(tinygemm_nibbles(stored).contiguous(), inner_k_tiles),
         tinygemm_scales_and_zeros(scale, zero)))
     if input_scale is not None:
         x = x * input_scale
@@ -319,7 +342,7 @@ def _dequant_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tenso
 
 def _fp8_scaled_mm(x: Tensor, weight: Tensor, scale: Tensor, bias: Tensor | None) -> Tensor:
     x_fp8, x_scale = quantize_rows_fp8(x)
-    weight_scale = _copy_of("scaled_mm", weight, lambda: scale.float()[None, :])
+    weight_scale = _copy_of("scaled_mm", weight, lambda _: scale.float()[None, :])
     out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype)
     return out if bias is None else out + bias
 
