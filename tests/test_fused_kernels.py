@@ -303,7 +303,7 @@ def test_kernels_compile_for_the_h100(case):
     assert built.metadata.num_warps == warps and built.asm["cubin"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or TRITON_INTERPRETED, reason="needs a CUDA GPU (and no interpreter)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_kernels_on_cuda_match_the_op_by_op_functions(dtype):
     """On a GPU: the three kernels in each dtype against the op-by-op functions on the same GPU (within one
@@ -337,7 +337,7 @@ def test_kernels_on_cuda_match_the_op_by_op_functions(dtype):
             assert_within_one_rounding(layers, expected_layers)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.skipif(not torch.cuda.is_available() or TRITON_INTERPRETED, reason="needs a CUDA GPU (and no interpreter)")
 def test_captured_steps_through_the_kernels_equal_op_by_op():
     """float32 on a GPU: a prefill and 10 decode steps of 3 rows through captured graphs (the kernels inside CUDA
     graphs) give the op-by-op path's logits (within 1e-5) and the same greedy tokens."""
