@@ -84,6 +84,10 @@ def split_heads(qkv: Tensor, cos: Tensor | None, sin: Tensor | None, cache_layer
     rotary = cos is not None
     cache = cache_layer is not None
     scaled = kv_scale is not None
+    if rotary:  # the angles and the slots are read with unit strides (no copy where they have them already)
+        cos, sin = cos.contiguous(), sin.contiguous()
+    if cache:
+        cache_rows, cache_positions = cache_rows.contiguous(), cache_positions.contiguous()
     cache_strides = cache_layer.stride() if cache else (0,) * 5
     _fused_split_heads_kernel[(tokens, groups)](
         qkv, cos if rotary else qkv, sin if rotary else qkv, q, kv, cache_layer if cache else qkv,
