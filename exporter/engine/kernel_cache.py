@@ -75,8 +75,8 @@ class KernelCache:
 
     def use_compile_dirs(self) -> dict[str, str]:
         """Point Triton's on-disk cache into the folder (only if the user has not set it, and only if the folder
-        can be written), and count Triton's compiles from now on (`compile_summary`); returns the variables set."""
-        _COMPILES.listen()
+        can be written), and count Triton's compiles from now on (`count_compiles`); returns the variables set."""
+        count_compiles()
         if not self._writable():
             return {}
         chosen = {}
@@ -161,10 +161,15 @@ class _TritonCompiles:
 _COMPILES = _TritonCompiles()
 
 
+def count_compiles() -> None:
+    """Count Triton's compiles in this process from now on, for `compile_summary` (again: no change)."""
+    _COMPILES.listen()
+
+
 def compile_summary() -> str:
-    """Triton's compiles in this process since `KernelCache.use_compile_dirs`, for a phase line: kernels, seconds
-    and how many came from the compile cache ("" where nothing was compiled). A kernel from the cache costs
-    milliseconds (its binary loaded); one compiled, about a second."""
+    """Triton's compiles in this process since `count_compiles` (`KernelCache.use_compile_dirs` calls it), for a
+    phase line: kernels, seconds and how many came from the compile cache ("" where nothing was compiled). A
+    kernel from the cache costs milliseconds (its binary loaded); one compiled, about a second."""
     if not _COMPILES.kernels:
         return ""
     return (f"Triton: {_COMPILES.kernels} kernels in {_COMPILES.seconds:.2f} s, {_COMPILES.cached} from the "
