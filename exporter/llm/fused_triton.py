@@ -13,9 +13,10 @@
 
 Each computes in float32 and rounds where the op-by-op code rounds (the residual sum, RoPE's output, the
 activation before the gate's product), so a float32 model matches it to float32 rounding and a 16-bit one to
-within one rounding step. Nothing reads a host value or depends on the token count N beyond the grid (a program
-a token), so one compiled kernel serves every N (Triton gives N = 1 its own) and every launch can be captured in a
-CUDA graph. Block sizes and warps follow the shape (no autotuning: nothing is timed at start-up); the compiled
+within one rounding step. Nothing reads a host value, and the token count N is the grid's size (a program a
+token), not a kernel argument (only the split's value offset, N rows of keys, is one, which Triton specialises by
+its divisibility by 16 alone), so one compiled kernel serves every N and every launch can be captured in a CUDA
+graph. Block sizes and warps follow the shape (no autotuning: nothing is timed at start-up); the compiled
 kernels are kept in Triton's on-disk cache (`exporter.engine.kernel_cache`).
 """
 
