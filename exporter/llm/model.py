@@ -88,8 +88,10 @@ class KVCache:
 
 # Elementwise work between two matmuls runs, on CUDA, as one Triton kernel each (`exporter.llm.fused_triton`:
 # norm + residual add, QKV split + RoPE + KV-cache write, activation) instead of one kernel per operation (a decode
-# step is otherwise dominated by launches); elsewhere, and for rows wider than a norm kernel holds, the functions
-# below run op by op. Set to False to run CUDA op by op as well (the benchmark measures both).
+# step is otherwise dominated by launches); elsewhere, and for what the kernels do not take (`fused_triton.fits*`:
+# rows wider than a norm program holds, dtypes other than float32/float16/bfloat16), the functions below run op by
+# op. Every family of `DecoderConfig` runs in the kernels (tests/test_fused_kernels.py). Set to False to run CUDA op
+# by op as well (the benchmark measures both).
 FUSE_ON_CUDA = True
 
 
