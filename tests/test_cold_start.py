@@ -528,6 +528,22 @@ def test_export_imports_no_torch_dynamo(vlm, tmp_path):
     assert (tmp_path / "engine" / LLM_WEIGHTS).is_file()
 
 
+def test_a_server_start_imports_no_torch_dynamo(vlm, tmp_path):
+    """Loading an engine (its warm-up included) and answering a request, in a fresh process (on the GPU where there
+    is one: the decoder's fused kernels are Triton's own, no torch.compile), import no torch._dynamo."""
+    export(tmp_path / "engine", vlm.nemo)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    code = ("import sys; from pathlib import Path; from exporter import TensorRTMMExporter; "
+            "from support.media import random_image; "
+            f"exporter = TensorRTMMExporter(Path({str(tmp_path / 'engine')!r}), device={device!r}); "
+            "answer = exporter.forward('describe the image', random_image(1), max_output_len=2); exporter.close(); "
+            "print(bool(answer), 'torch._dynamo' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "True False"
+
+
 class _Initialised(torch.nn.Module):
     """A CPU parameter (zeros) that ``nn.init`` then fills: zeros left where the initialisers were skipped."""
 
