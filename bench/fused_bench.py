@@ -133,9 +133,13 @@ def compile_probe() -> None:
 
 
 def _first_calls(cache: str) -> tuple[float, str]:
+    """(seconds, compile summary) of `compile_probe` in a fresh process over the Triton cache folder `cache`
+    (NaN and the error's end where it failed)."""
     environment = {**os.environ, "TRITON_CACHE_DIR": cache}
     done = subprocess.run([sys.executable, __file__, COMPILE_PROBE, *sys.argv[1:]], env=environment,
-                          capture_output=True, text=True, check=True, timeout=600)
+                          capture_output=True, text=True, timeout=600, check=False)
+    if done.returncode:
+        return float("nan"), "failed: " + (done.stderr.strip().splitlines() or ["no output"])[-1][:300]
     seconds, summary = done.stdout.strip().splitlines()[-1].split("|", 1)
     return float(seconds), summary
 
