@@ -29,7 +29,7 @@ KERNEL_KINDS = (("matmul", ("gemm", "gemv", "nvjet", "xmma", "cutlass", "splitk"
                             # the quantized products' kernels (`exporter.llm.quant.kernels`, torch's int4 kernel)
                             "_qlinear_kernel", "_packed_kernel", "_dequantize_kernel", "_fp8_rows_kernel", "int4pack")),
                 ("attention", ("fmha", "attention", "flash", "_paged_")),
-                ("fused elementwise (triton)", ("triton",)))
+                ("fused elementwise (triton)", ("_fused_",)))  # `exporter.llm.fused_triton`'s kernels
 
 
 def _per_call_ms(fn: Callable[[], object], calls: int = 50) -> float:

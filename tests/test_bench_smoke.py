@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
     ("quant_bench.py", ["--methods", "int8_wo", "int4_awq"], "quant_bench.json", "int4_awq"),
     ("quant_kernel_probe.py", [], "quant_kernel_probe.json", "quantized kernel probe"),  # Triton's interpreter
     ("paged_bench.py", [], "paged_bench.json", "concurrent requests"),
+    ("fused_bench.py", [], "fused_bench.json", "a decode step"),  # Triton's interpreter
 ])
 def test_bench_runs_at_its_tiny_shape(tmp_path, script, arguments, json_name, table_line):
     done = subprocess.run([sys.executable, str(REPO / "bench" / script), "--tiny", *arguments],

@@ -4,15 +4,15 @@
         choices.json    {"format", "identity", "choices", "autotune"}: the candidate `gemv.fastest` picked per
                         key (the bf16 matrix-vector and the quantized products), and each registered autotuned
                         Triton kernel's chosen config per autotune key (`gemv.TUNED`)
-        inductor/       TORCHINDUCTOR_CACHE_DIR: torch.compile's compiled graphs and their kernels
-        triton/         TRITON_CACHE_DIR: the compiled Triton kernels (the matrix-vector and quantized ones)
+        triton/         TRITON_CACHE_DIR: the compiled Triton kernels (the decoder's fused elementwise kernels, the
+                        matrix-vector, quantized and paged-attention ones)
 
 The identity is the GPU's name and compute capability and the torch, CUDA, Triton and package versions: another
 GPU or another version uses another folder, so its choices are measured (and its kernels compiled) again. A file
 that cannot be read, is not this format, or names another identity is ignored and rewritten: the cache can make
 a start faster, never fail one. `.cache/` is no part of the engine's inventory (`integrity`); an export keeps it
-(`atomic`); deleting it is always safe. The compile folders are used only where the user has not set those
-variables. A folder that cannot be written (read-only engine) keeps nothing.
+(`atomic`); deleting it is always safe. The compile folder is used only where the user has not set its
+variable. A folder that cannot be written (read-only engine) keeps nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import hashlib
 import json
 import logging
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +35,7 @@ from .integrity import CACHE_DIR
 LOGGER = logging.getLogger(__name__)
 FORMAT = 1
 CHOICES_FILE = "choices.json"
-COMPILE_DIRS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+COMPILE_DIRS = {"TRITON_CACHE_DIR": "triton"}
 _KEY_ITEM_TYPES = (bool, int, float, str, type(None))
 
 
@@ -75,8 +74,9 @@ class KernelCache:
         return cls(model_dir, device_identity(device))
 
     def use_compile_dirs(self) -> dict[str, str]:
-        """Point torch.compile's and Triton's on-disk caches into the folder (each only if the user has not set
-        it, and only if the folder can be written); returns the variables set."""
+        """Point Triton's on-disk cache into the folder (only if the user has not set it, and only if the folder
+        can be written), and count Triton's compiles from now on (`count_compiles`); returns the variables set."""
+        count_compiles()
         if not self._writable():
             return {}
         chosen = {}
@@ -132,20 +132,48 @@ class KernelCache:
         return os.access(self.folder, os.W_OK)
 
 
-def compile_summary() -> str:
-    """torch.compile's work in this process so far, for a phase line: graphs, seconds and how many came from the
-    compile cache ("" where nothing was compiled). Dynamo traces every graph at every start; the cache keeps what
-    follows the tracing (the AOT and Inductor output and its kernels)."""
-    if "torch._dynamo" not in sys.modules:  # nothing compiled: importing it would cost time
-        return ""
-    from torch._dynamo.utils import compilation_time_metrics, counters
+class _TritonCompiles:
+    """Triton's compiles in this process once `listen` was called (Triton's compilation listener, chained to one
+    already set): kernels, seconds, and how many came from Triton's on-disk cache."""
 
-    graphs = counters["stats"]["unique_graphs"]
-    if not graphs:
+    def __init__(self) -> None:
+        self.kernels = self.cached = 0
+        self.seconds = 0.0
+        self._chained: Any = None
+        self._lock = threading.Lock()
+
+    def listen(self) -> None:
+        if gemv.triton is None:
+            return
+        knobs = gemv.triton.knobs.compilation
+        if knobs.listener is not self:
+            self._chained, knobs.listener = knobs.listener, self
+
+    def __call__(self, *, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
+        with self._lock:
+            self.kernels += 1
+            self.cached += bool(cache_hit)
+            self.seconds += times.total / 1e6
+        if self._chained is not None:
+            self._chained(src=src, metadata=metadata, metadata_group=metadata_group, times=times, cache_hit=cache_hit)
+
+
+_COMPILES = _TritonCompiles()
+
+
+def count_compiles() -> None:
+    """Count Triton's compiles in this process from now on, for `compile_summary` (again: no change)."""
+    _COMPILES.listen()
+
+
+def compile_summary() -> str:
+    """Triton's compiles in this process since `count_compiles` (`KernelCache.use_compile_dirs` calls it), for a
+    phase line: kernels, seconds and how many came from the compile cache ("" where nothing was compiled). A
+    kernel from the cache costs milliseconds (its binary loaded); one compiled, about a second."""
+    if not _COMPILES.kernels:
         return ""
-    seconds = sum(compilation_time_metrics.get("_compile.compile_inner", ()))
-    return (f"torch.compile: {graphs} graphs in {seconds:.2f} s, {counters['inductor']['fxgraph_cache_hit']} "
-            "from the compile cache")
+    return (f"Triton: {_COMPILES.kernels} kernels in {_COMPILES.seconds:.2f} s, {_COMPILES.cached} from the "
+            "compile cache")
 
 
 def _tuned_entries(kernel: Any) -> list[list]:
