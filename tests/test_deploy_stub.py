@@ -417,7 +417,7 @@ def test_script_refuses_a_missing_repository(tmp_path, capsys):
 
 def test_serving_an_engine_takes_the_modality_from_its_manifest_without_the_exporter(tmp_path):
     """The served engine's manifest says the modality of its model type, so validating the flags imports no model
-    type (the engine's files are prefetched while the exporter is imported); another type asks the registry."""
+    type (the flags are checked before the slow import); another type asks the registry."""
     (tmp_path / "manifest.json").write_text(json.dumps({"model_type": "salm", "modality": "audio"}))
     child = (f"import sys; sys.path.insert(0, {str(DEPLOY_SCRIPT.parent)!r}); import deploy_triton; "
              f"s = deploy_triton.parse_settings(['-tmn', 'm', '-mt', sys.argv[1], '-tmr', {str(tmp_path)!r}]); "
