@@ -246,3 +246,23 @@ def test_tensors_the_decoder_took_as_copies_get_the_files_values_too(engines, ga
     expected = load_file(folder / LLM_WEIGHTS)
     assert all(torch.equal(tensor, expected[name].to(torch.bfloat16)) for name, tensor in
                arriving.decoder.state_dict().items())
+
+
+def test_a_failed_wait_raises_again_and_frees_the_pinned_ring(engines, gate, tmp_path):
+    """A failed fill is never taken for a finished one: each wait raises it (the weights are zeros, not the
+    file's), the engine keeps it for `abandon_weights`, and the fill's host buffers are let go at once."""
+    short = tmp_path / "engine"
+    shutil.copytree(engines["float32"][0], short)
+    weights = short / LLM_WEIGHTS
+    engine = directory.load_engine(short, device="cpu", verify=False, weights_in_background=True)
+    pending = engine.arriving.pending
+    with open(weights, "r+b") as stream:
+        stream.truncate(weights.stat().st_size - 1000)
+    gate.set()
+    for _ in range(2):
+        with pytest.raises(EngineError, match="the file ended before its data did"):
+            engine.wait_for_weights()
+    assert engine.arriving is not None and pending._staging == []
+    engine.abandon_weights()
+    assert engine.arriving is None
+    engine.wait_for_weights()  # abandoned: nothing left to wait for

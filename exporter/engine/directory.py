@@ -356,10 +356,11 @@ class Engine:
 
     def wait_for_weights(self) -> None:
         """Return once the LLM weights hold their file's values (at once if they were loaded in full); an
-        EngineError if the file turned out bad (unreadable, short, or a hash mismatch)."""
-        arriving, self.arriving = self.arriving, None
-        if arriving is not None:
-            arriving.wait()
+        EngineError if the file turned out bad (unreadable, short, or a hash mismatch). A wait that failed (or was
+        interrupted) leaves ``arriving`` set: another wait raises again, ``abandon_weights`` stops the fill."""
+        if self.arriving is not None:
+            self.arriving.wait()
+            self.arriving = None
 
     def abandon_weights(self) -> None:
         """Stop filling the LLM weights in (the load failed after it began)."""

@@ -185,13 +185,15 @@ class PendingWeights:
         file in order, `progress(nbytes)` called as data arrives, `stats` filled in."""
         stats = stats if stats is not None else LoadStats()
         started = time.perf_counter()
-        with open(self.path, "rb", buffering=0) as stream:
-            if digest is not None:
-                digest.update(os.pread(stream.fileno(), self.data_start, 0))
-            if len(self._data):
-                _fill(stream.fileno(), self.data_start, self._data, self._staging, self._stream, digest, progress,
-                      stats, self._stop)
-        self._staging = []
+        try:
+            with open(self.path, "rb", buffering=0) as stream:
+                if digest is not None:
+                    digest.update(os.pread(stream.fileno(), self.data_start, 0))
+                if len(self._data):
+                    _fill(stream.fileno(), self.data_start, self._data, self._staging, self._stream, digest,
+                          progress, stats, self._stop)
+        finally:
+            self._staging = []  # the pinned ring is freed whether the fill ended well or not
         stats.nbytes, stats.seconds = len(self._data), time.perf_counter() - started
 
     def start(self, job: Callable[[], None] | None = None) -> PendingWeights:
