@@ -424,6 +424,26 @@ def test_triton_kernels_are_kept_in_the_cache_folder_between_starts(tmp_path):
     assert any((KernelCache(tmp_path, IDENTITY).folder / "triton").iterdir())
 
 
+def test_the_compile_counter_listens_once_chains_the_listener_before_it_and_skips_a_triton_without_the_hook(
+        monkeypatch):
+    from types import SimpleNamespace
+
+    from exporter.engine import kernel_cache
+
+    calls = []
+    compilation = SimpleNamespace(listener=lambda **kwargs: calls.append(kwargs["cache_hit"]))
+    monkeypatch.setattr(gemv, "triton", SimpleNamespace(knobs=SimpleNamespace(compilation=compilation)))
+    counter = kernel_cache._TritonCompiles()
+    counter.listen()
+    counter.listen()  # again: no change (chaining itself would recurse)
+    assert compilation.listener is counter
+    counter(src=None, metadata=None, metadata_group=None, times=SimpleNamespace(total=2_000_000), cache_hit=True)
+    assert (counter.kernels, counter.cached, counter.seconds, calls) == (1, 1, 2.0, [True])
+    for triton in (None, SimpleNamespace(), SimpleNamespace(knobs=SimpleNamespace())):  # no Triton, no hook
+        monkeypatch.setattr(gemv, "triton", triton)
+        kernel_cache._TritonCompiles().listen()
+
+
 # --- the engine directory --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

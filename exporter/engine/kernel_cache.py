@@ -143,11 +143,13 @@ class _TritonCompiles:
         self._lock = threading.Lock()
 
     def listen(self) -> None:
-        if gemv.triton is None:
+        """Become Triton's compilation listener (once; nothing where Triton is missing or has no such hook)."""
+        knobs = getattr(getattr(gemv.triton, "knobs", None), "compilation", None)
+        if not hasattr(knobs, "listener"):
             return
-        knobs = gemv.triton.knobs.compilation
-        if knobs.listener is not self:
-            self._chained, knobs.listener = knobs.listener, self
+        with self._lock:
+            if knobs.listener is not self:
+                self._chained, knobs.listener = knobs.listener, self
 
     def __call__(self, *, src: Any, metadata: Any, metadata_group: Any, times: Any, cache_hit: bool) -> None:
         with self._lock:
