@@ -361,6 +361,21 @@ def test_many_streams_space_their_pieces(babbler, monkeypatch):
     assert max(len(pieces) for pieces in paced) < len(alone)
 
 
+def test_a_paced_stream_ends_with_its_last_token_not_a_pause_later(babbler, monkeypatch):
+    """The end of the answer ends the pause between pieces at once: at a piece each 10 s, the answer (well under
+    a second of generation here) still streams in about the time of a plain generate, its tokens in two pieces."""
+    exporter, _, image = babbler
+    request = Request("describe the image", png_bytes(image), SamplingParams(max_output_len=30))
+    started = time.monotonic()
+    (whole,) = exporter.generate([request])
+    generate_s = time.monotonic() - started
+    monkeypatch.setattr(pipeline_module, "STREAM_PIECES_PER_S", 0.1)
+    started = time.monotonic()
+    pieces = list(exporter.stream(request))
+    assert "".join(pieces) == whole.texts[0] and len(pieces) <= 3
+    assert time.monotonic() - started < generate_s + 5.0
+
+
 def test_closing_a_stream_cancels_its_generation(babbler, monkeypatch):
     exporter, url, image = babbler
     scheduler = exporter.pipeline.scheduler

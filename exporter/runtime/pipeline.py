@@ -158,9 +158,8 @@ class Pipeline:
         try:
             finished, next_piece_at = False, 0.0
             while not finished and (token := tokens.get()) is not None:
-                time.sleep(max(0.0, next_piece_at - time.monotonic()))  # the tokens meanwhile join this piece
                 generated.append(token)
-                finished = _take_queued(tokens, generated)
+                finished = _take_queued(tokens, generated, until=next_piece_at)  # those meanwhile join this piece
                 text = self.engine.tokenizer.decode(generated).lstrip()
                 if len(text) > len(sent) and not text.endswith("\ufffd"):  # hold back half a character
                     next_piece_at = time.monotonic() + self._streams / STREAM_PIECES_PER_S
@@ -289,12 +288,14 @@ class _MediaItem:
     inputs: torch.Tensor | None
 
 
-def _take_queued(tokens: queue.Queue[int | None], generated: list[int]) -> bool:
-    """Move the tokens already waiting in ``tokens`` onto ``generated``; whether the end mark (None) was among
-    them."""
+def _take_queued(tokens: queue.Queue[int | None], generated: list[int], until: float = 0.0) -> bool:
+    """Move the tokens already waiting in ``tokens``, and those arriving until ``time.monotonic()`` reaches
+    ``until``, onto ``generated``; whether the end mark (None) was among them (it ends the wait at once: the last
+    piece is never held back)."""
     while True:
         try:
-            token = tokens.get_nowait()
+            remaining = until - time.monotonic()
+            token = tokens.get(timeout=remaining) if remaining > 0 else tokens.get_nowait()
         except queue.Empty:
             return False
         if token is None:
