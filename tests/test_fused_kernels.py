@@ -268,6 +268,16 @@ def test_fused_functions_run_op_by_op_on_the_cpu():
     assert not model_module._on_triton(torch.zeros(1))
 
 
+def test_a_residual_add_of_another_dtype_runs_op_by_op(monkeypatch):
+    """The norm kernel rounds the sum to x's dtype; torch promotes `x + delta`: a wider delta takes the op-by-op
+    path, whose residual stream keeps the wider dtype."""
+    monkeypatch.setattr(model_module, "_on_triton", lambda x: True)
+    monkeypatch.setattr(fused_triton, "norm", lambda *args: pytest.fail("the kernel took a float32 delta"))
+    x, delta = torch.randn(3, 8).to(torch.bfloat16), torch.randn(3, 8)
+    total, _ = model_module._residual_norm(x, delta, torch.ones(8), None, 1e-5, False)
+    assert total.dtype == torch.float32 and torch.equal(total, x + delta)
+
+
 # (kernel, arguments as name:type, constants) at LLaVA-1.5-7B's shapes (H 4096, 32 heads of 128, fc1 2 x 11008),
 # a GQA model's split (8 groups of 4), and float8 pools
 def _hopper_cases():

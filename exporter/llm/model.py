@@ -122,7 +122,7 @@ def _residual_norm(
     x: Tensor, delta: Tensor, weight: Tensor, bias: Tensor | None, eps: float, zero_centered: bool
 ) -> tuple[Tensor, Tensor]:
     """`x + delta` (the residual stream, `[N,H]`) and its norm, one kernel on CUDA."""
-    if _on_triton(x) and fused_triton.fits_norm(x) and fused_triton.fits_norm(delta):
+    if _on_triton(x) and fused_triton.fits_norm(x) and fused_triton.fits_norm(delta) and delta.dtype == x.dtype:
         return fused_triton.norm(x, delta, weight, bias, eps, zero_centered)
     x = x + delta
     return x, _norm(x, weight, bias, eps, zero_centered)
