@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -38,7 +39,7 @@ from exporter.engine.safetensors_format import read_header
 from exporter.checkpoint import NemoCheckpoint, NemoCheckpointError
 from exporter.engine import writing
 from exporter.engine.writing import stream_tensors, write_tensors
-from exporter.llm import gemv
+from exporter.llm import gemv, paged_triton
 from exporter.meta_device import on_meta
 from exporter.models import get_model_type
 from support.media import random_image
@@ -215,6 +216,7 @@ def test_a_broken_weights_file_is_one_line_naming_it(tmp_path):
 
 LOAD_CHILD = """
 import json, sys
+from collections.abc import Callable
 from pathlib import Path
 import torch
 from exporter.engine.directory import load_llm_weights
@@ -292,9 +294,11 @@ def candidates(ran: list[str]) -> dict:
 
 
 def restart(monkeypatch) -> None:
-    """What a new process starts from: nothing chosen, nothing remembered, empty autotune caches."""
+    """What a new process starts from: nothing chosen, nothing remembered, empty autotune caches, no paged-attention
+    call timed."""
     monkeypatch.setattr(gemv, "_CHOICES", {})
     monkeypatch.setattr(gemv, "_KNOWN", {})
+    monkeypatch.setattr(paged_triton, "_tuned", set())
     for kernel in gemv.TUNED.values():
         monkeypatch.setattr(kernel, "cache", {})
 
@@ -320,6 +324,35 @@ def test_a_kernel_cache_hit_times_nothing(tmp_path, fresh_choices, monkeypatch):
     if tuned is not None:
         assert restored.autotuned == 1
         assert gemv.TUNED["gemv"].cache == {(4096, 11008, "torch.bfloat16", "torch.bfloat16"): tuned.configs[3]}
+
+
+@pytest.mark.skipif(not paged_triton.available(), reason="needs Triton")
+def test_a_restart_times_no_paged_attention_call_the_first_start_timed(tmp_path, fresh_choices, monkeypatch):
+    """The paged kernels' configurations timed on representative work (`_tune_first`) are kept with the kinds of
+    call they were timed for: a restart takes them and times only a kind of call it has not met."""
+    restart(monkeypatch)
+    monkeypatch.setattr(paged_triton, "_INTERPRETED", False)  # the parent pytest; the interpreter never times
+    timed: list[str] = []
+
+    def representative(name: str) -> Callable[[], None]:
+        def run() -> None:
+            timed.append(name)
+            paged_triton._decode_tuned.cache[(8, 1, 128, 32, 1, False, 128)] = paged_triton._decode_tuned.configs[1]
+        return run
+
+    kind = ("decode", 8, torch.Size([32, 128]), torch.bfloat16)
+    paged_triton._tune_first(kind, 4096, representative("first start"))
+    assert KernelCache(tmp_path, IDENTITY).save()
+    saved = json.loads((KernelCache(tmp_path, IDENTITY).folder / CHOICES_FILE).read_text())
+    assert saved["tuned_kinds"] == [repr(kind)] and saved["autotune"]["paged_decode"]
+
+    restart(monkeypatch)
+    restored = KernelCache(tmp_path, IDENTITY).restore()
+    assert restored.reason == "hit"
+    paged_triton._tune_first(kind, 4096, representative("restart"))
+    paged_triton._tune_first(("chunk", torch.Size([32, 128])), 4096, representative("a new kind"))
+    assert timed == ["first start", "a new kind"]
+    assert paged_triton._decode_tuned.cache[(8, 1, 128, 32, 1, False, 128)] == paged_triton._decode_tuned.configs[1]
 
 
 @pytest.mark.parametrize("change", ["gpu", "torch", "triton", "package"])

@@ -1,9 +1,11 @@
 """Warm-up work paid once per engine and GPU, not at every start: kept in the engine directory's `.cache/`.
 
     model_dir/.cache/kernels-<key>/     key: a hash of the identity below
-        choices.json    {"format", "identity", "choices", "autotune"}: the candidate `gemv.fastest` picked per
-                        key (the bf16 matrix-vector and the quantized products), and each registered autotuned
-                        Triton kernel's chosen config per autotune key (`gemv.TUNED`)
+        choices.json    {"format", "identity", "choices", "autotune", "tuned_kinds"}: the candidate
+                        `gemv.fastest` picked per key (the bf16 matrix-vector and the quantized products), each
+                        registered autotuned Triton kernel's chosen config per autotune key (`gemv.TUNED`: the
+                        matrix-vector, quantized, MoE and paged-attention kernels), and the kinds of paged-attention
+                        call whose configs were timed on representative work (`paged_triton.tuned_kinds`)
         triton/         TRITON_CACHE_DIR: the compiled Triton kernels (the decoder's fused elementwise kernels, the
                         matrix-vector, quantized and paged-attention ones)
 
@@ -28,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..llm import gemv
+from ..llm import gemv, paged_triton
 from .directory import package_version
 from .integrity import CACHE_DIR
 
@@ -104,6 +106,9 @@ class KernelCache:
         if not isinstance(choices, dict) or not isinstance(autotune, dict):
             return Restored("corrupt")
         gemv.remember({str(key): str(name) for key, name in choices.items()})
+        kinds = saved.get("tuned_kinds", [])  # absent in files written before it was kept
+        if isinstance(kinds, list):
+            paged_triton.remember_tuned(kind for kind in kinds if isinstance(kind, str))
         return Restored("hit", len(choices), sum(_seed(gemv.TUNED.get(kernel), entries)
                                                  for kernel, entries in autotune.items()))
 
@@ -112,7 +117,8 @@ class KernelCache:
         if not self._writable():
             return False
         content = {"format": FORMAT, "identity": self.identity, "choices": gemv.choices(remembered=True),
-                   "autotune": {name: _tuned_entries(kernel) for name, kernel in gemv.TUNED.items()}}
+                   "autotune": {name: _tuned_entries(kernel) for name, kernel in gemv.TUNED.items()},
+                   "tuned_kinds": paged_triton.tuned_kinds()}
         target = self.folder / CHOICES_FILE
         staged = target.with_name(f"{CHOICES_FILE}.{os.getpid()}.{threading.get_ident()}")  # a save per thread
         try:

@@ -25,10 +25,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor
+
+from .gemv import register_tuned
 
 try:
     import triton
@@ -42,7 +44,7 @@ TUNE_PREFIX = 4096  # the cached positions before a chunk while the chunk kernel
 TUNE_MIN_BLOCKS = 256  # the smallest pool the configurations are timed over (a smaller one stays in the L2 cache)
 _LOG2E = 1.4426950408889634
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_tuned: set[tuple] = set()  # the kinds of call (`_tune_first`) whose configurations were timed
+_tuned: set[str] = set()  # the kinds of call (`_tune_first`, as text) whose configurations were timed
 
 
 def available() -> bool:
@@ -189,10 +191,11 @@ def _tune_first(kind: tuple, pool_blocks: int, representative: Callable[[], obje
     first call of each of its keys, and a step graph is captured on idle rows and an empty chunk (one key each,
     where every configuration takes the same launch time), a step's memory measured on a pool of two blocks. Not
     while a graph is being captured, nor under the interpreter (it runs one configuration)."""
-    if (kind in _tuned or pool_blocks < TUNE_MIN_BLOCKS or _INTERPRETED
+    text = repr(kind)
+    if (text in _tuned or pool_blocks < TUNE_MIN_BLOCKS or _INTERPRETED
             or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
         return
-    _tuned.add(kind)
+    _tuned.add(text)
     kernels = (_decode_tuned, _decode_tuned_fp8, _chunk_tuned)
     timed_before = [kernel.cache for kernel in kernels]
     for kernel in kernels:
@@ -202,6 +205,18 @@ def _tune_first(kind: tuple, pool_blocks: int, representative: Callable[[], obje
     finally:
         for kernel, before in zip(kernels, timed_before):
             kernel.cache = {**before, **kernel.cache}
+
+
+def tuned_kinds() -> list[str]:
+    """The kinds of call whose configurations were timed on representative work so far (`_tune_first`), as text:
+    what the kernel cache keeps beside the kernels' autotune results."""
+    return sorted(_tuned)
+
+
+def remember_tuned(kinds: Iterable[str]) -> None:
+    """Take kinds of call timed by an earlier run on the same GPU and software (`tuned_kinds`), whose autotune
+    results the kernel cache restored with them: they are not timed again."""
+    _tuned.update(kinds)
 
 
 def _spread_tables(like: Tensor, blocks: int) -> Tensor:
@@ -500,11 +515,13 @@ if triton is not None:
     ]
     _CHUNK_PARTS = CHUNK_TILE // min(config.kwargs["BLOCK_M"] for config in _CHUNK_CONFIGS)
     # The interpreter (TRITON_INTERPRET=1, CPU checks) cannot time configurations: it runs the first.
+    # registered: the kernel cache keeps their results (and `tuned_kinds`), so a restart times none of them again
     _decode_tuned, _decode_tuned_fp8 = (
-        triton.autotune(configs=configs[:1] if _INTERPRETED else configs,
-                        key=["row_bucket", "QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"])(_paged_decode_kernel)
-        for configs in (_DECODE_CONFIGS, _DECODE_FP8_CONFIGS))
-    _chunk_tuned = triton.autotune(
+        register_tuned(name, triton.autotune(configs=configs[:1] if _INTERPRETED else configs,
+                                             key=["row_bucket", "QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"]
+                                             )(_paged_decode_kernel))
+        for name, configs in (("paged_decode", _DECODE_CONFIGS), ("paged_decode_fp8", _DECODE_FP8_CONFIGS)))
+    _chunk_tuned = register_tuned("paged_chunk", triton.autotune(
         configs=_CHUNK_CONFIGS[:1] if _INTERPRETED else _CHUNK_CONFIGS,
         key=["QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"],
-    )(_paged_chunk_kernel)
+    )(_paged_chunk_kernel))
