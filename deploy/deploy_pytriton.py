@@ -157,7 +157,10 @@ class DeployPyTriton:
         """Start Triton (unless `run` did) and block until Ctrl-C or SIGTERM, then clean up; DeployError if Triton
         exits on its own."""
         in_main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, _interrupt) if in_main_thread else None
+        # SIGINT too: a process started in the background by a script (or by a parent that ignores it) inherits an
+        # ignored SIGINT, and Ctrl-C or `kill -INT` would then never stop it
+        signals = (signal.SIGTERM, signal.SIGINT) if in_main_thread else ()
+        previous = {number: signal.signal(number, _interrupt) for number in signals}
         try:
             self.run()
             while self.triton.is_alive():
@@ -166,8 +169,8 @@ class DeployPyTriton:
         except KeyboardInterrupt:
             LOGGER.info("interrupted, stopping")
         finally:
-            if in_main_thread:
-                signal.signal(signal.SIGTERM, previous)
+            for number, handler in previous.items():
+                signal.signal(number, handler)
             self.stop()
 
     def run(self) -> None:
