@@ -40,6 +40,10 @@ class _Batches:
             self.kernels += kernels
             self.seconds += seconds
 
+    def totals(self) -> tuple[int, float]:
+        with self._lock:
+            return self.kernels, self.seconds
+
 
 _BATCHES = _Batches()
 
@@ -47,8 +51,7 @@ _BATCHES = _Batches()
 def batches() -> tuple[int, float]:
     """`(kernels, seconds)`: the kernels compiled ahead of the timing in this process, and the wall time their
     batches took."""
-    with _BATCHES._lock:
-        return _BATCHES.kernels, _BATCHES.seconds
+    return _BATCHES.totals()
 
 
 def compile_candidates_ahead(kernel: Any) -> None:
