@@ -327,6 +327,21 @@ def test_a_kernel_cache_hit_times_nothing(tmp_path, fresh_choices, monkeypatch):
 
 
 @pytest.mark.skipif(not paged_triton.available(), reason="needs Triton")
+def test_every_autotuned_kernel_times_its_candidates_briefly():
+    """Triton's default timing (25 ms of warm-up and 100 ms of runs a candidate) took 14.3 s of a first start's
+    warm-up on the H100: the attention, matrix-vector and expert kernels time with the short benchmark (the
+    quantized ones with their graph timing, `gemv.measure_ms`)."""
+    pytest.importorskip("triton")
+    from exporter.llm import moe_triton  # noqa: F401 (importing registers its kernel)
+    from exporter.llm.quant import kernels  # noqa: F401
+
+    assert {"gemv", "paged_decode", "paged_decode_fp8", "paged_chunk", "moe_grouped"} <= set(gemv.TUNED)
+    for name, kernel in gemv.TUNED.items():
+        if not name.startswith("quant"):
+            assert kernel.do_bench is gemv.time_candidate, name
+    assert gemv.TUNE_WARMUP_MS + gemv.TUNE_REP_MS <= 30
+
+
 def test_a_restart_times_no_paged_attention_call_the_first_start_timed(tmp_path, fresh_choices, monkeypatch):
     """The paged kernels' configurations timed on representative work (`_tune_first`) are kept with the kinds of
     call they were timed for: a restart takes them and times only a kind of call it has not met."""

@@ -14,7 +14,7 @@ import os
 import torch
 from torch import Tensor
 
-from .gemv import register_tuned
+from .gemv import register_tuned, time_candidate
 
 try:
     import triton
@@ -93,5 +93,5 @@ if triton is not None:
     # The interpreter (TRITON_INTERPRET=1, CPU checks) cannot time configurations: it runs the first.
     _tuned_kernel = register_tuned("moe_grouped", triton.autotune(
         configs=_CONFIGS[:1] if os.environ.get("TRITON_INTERPRET") == "1" else _CONFIGS,
-        key=["N", "K", "BLOCK_M"],
+        key=["N", "K", "BLOCK_M"], do_bench=time_candidate,
     )(_grouped_matmul_kernel))

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor
 
-from .gemv import register_tuned
+from .gemv import register_tuned, time_candidate
 
 try:
     import triton
@@ -518,10 +518,10 @@ if triton is not None:
     # registered: the kernel cache keeps their results (and `tuned_kinds`), so a restart times none of them again
     _decode_tuned, _decode_tuned_fp8 = (
         register_tuned(name, triton.autotune(configs=configs[:1] if _INTERPRETED else configs,
-                                             key=["row_bucket", "QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"]
-                                             )(_paged_decode_kernel))
+                                             key=["row_bucket", "QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"],
+                                             do_bench=time_candidate)(_paged_decode_kernel))
         for name, configs in (("paged_decode", _DECODE_CONFIGS), ("paged_decode_fp8", _DECODE_FP8_CONFIGS)))
     _chunk_tuned = register_tuned("paged_chunk", triton.autotune(
         configs=_CHUNK_CONFIGS[:1] if _INTERPRETED else _CHUNK_CONFIGS,
-        key=["QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"],
+        key=["QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"], do_bench=time_candidate,
     )(_paged_chunk_kernel))
