@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -105,14 +106,16 @@ def print_report(report: dict) -> None:
 
 
 def tiny_arguments(folder: Path) -> list[str]:
-    """The demo exported into `folder` (CPU), and deploy_triton.py's arguments to serve it on free ports."""
+    """The demo exported into `folder` (CPU, in a process of its own: its imports are no part of the restart's),
+    and deploy_triton.py's arguments to serve it on free ports."""
     from deploy.startup import free_port
-    from exporter import TensorRTMMExporter
 
-    exporter = TensorRTMMExporter(folder, device="cpu", load_model=False)
-    exporter.export(visual_checkpoint_path=str(REPO / "demo/neva_demo.nemo"), model_type="neva",
-                    llm_model_type="llama", max_input_len=512, max_output_len=16, max_batch_size=2,
-                    max_multimodal_len=1024, dtype="float32", load_model=False)
+    export = ("import sys; from exporter import TensorRTMMExporter; "
+              "TensorRTMMExporter(sys.argv[1], device='cpu', load_model=False).export("
+              "visual_checkpoint_path=sys.argv[2], model_type='neva', llm_model_type='llama', max_input_len=512, "
+              "max_output_len=16, max_batch_size=2, max_multimodal_len=1024, dtype='float32', load_model=False)")
+    subprocess.run([sys.executable, "-c", export, str(folder), str(REPO / "demo/neva_demo.nemo")], check=True,
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     return ["--config", "demo", "-tmr", str(folder), "-tmn", "demo", "-mbs", "2",
             "--triton_port", str(free_port()), "--grpc_port", str(free_port()), "--metrics_port", str(free_port())]
 
@@ -134,7 +137,7 @@ def main() -> int:
 
 def run(serve: list[str], out: Path, stop_at_ready: bool) -> int:
     """deploy_triton.main(serve) under the recorder; the report written to `out` at READY."""
-    import deploy_triton  # after a --tiny export: its imports are no part of the restart's
+    import deploy_triton
 
     recorder = Recorder(Path(deploy_triton.parse_settings(serve).triton_model_repository).resolve())
     sys.addaudithook(recorder)
@@ -143,6 +146,7 @@ def run(serve: list[str], out: Path, stop_at_ready: bool) -> int:
         def emit(self, record: logging.LogRecord) -> None:
             if record.getMessage().startswith("READY"):
                 report = recorder.report(time.perf_counter() - recorder.started)
+                out.parent.mkdir(parents=True, exist_ok=True)
                 out.write_text(json.dumps(report, indent=1))
                 print_report(report)
                 if stop_at_ready:  # in 2 s: once serve() has taken SIGTERM over
