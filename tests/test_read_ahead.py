@@ -102,4 +102,4 @@ def test_files_over_the_byte_cap_are_left_and_said(engine, monkeypatch, caplog):
     assert (done.files, done.nbytes, done.left, done.modules) == (len(files) - 1, sum(sizes[:-1]), 1, 1)
     (line,) = [record.getMessage() for record in caplog.records
                if record.getMessage().startswith("phase read ahead of the LLM weights:")]
-    assert f"{len(files) - 1} files" in line and "1 over the" in line and "1 modules imported" in line
+    assert f"{len(files) - 1} files" in line and "1 over the cap" in line and "1 modules imported" in line

@@ -43,7 +43,7 @@ class ReadAhead:
     modules: int = 0
 
     def describe(self) -> str:
-        left = f", {self.left} over the {MAX_BYTES / 1e9:.1f} GB cap left" if self.left else ""
+        left = f", {self.left} over the cap left to the load" if self.left else ""
         return f"{self.files} files, {self.nbytes / 1e6:.2f} MB{left}; {self.modules} modules imported"
 
 
