@@ -452,8 +452,10 @@ def test_triton_kernels_are_kept_in_the_cache_folder_between_starts(tmp_path):
         assert result.returncode == 0, result.stderr[-2000:]
         summaries.append([json.loads(line) for line in result.stdout.strip().splitlines()[-2:]])
     assert summaries[0][0] == summaries[1][0] == ""  # nothing compiled yet: nothing to say
-    assert re.fullmatch(r"Triton: 1 kernels in [0-9.]+ s, 0 from the compile cache", summaries[0][1])
-    assert re.fullmatch(r"Triton: 1 kernels in [0-9.]+ s, 1 from the compile cache", summaries[1][1])
+    assert re.fullmatch(r"Triton: 1 kernels in [0-9.]+ s, 0 from the compile cache, 0 in parallel batches "
+                        r"\(0.00 s wall\)", summaries[0][1])
+    assert re.fullmatch(r"Triton: 1 kernels in [0-9.]+ s, 1 from the compile cache, 0 in parallel batches "
+                        r"\(0.00 s wall\)", summaries[1][1])
     assert any((KernelCache(tmp_path, IDENTITY).folder / "triton").iterdir())
 
 

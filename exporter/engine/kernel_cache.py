@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ..llm import gemv, paged_triton
+from ..llm import gemv, paged_triton, parallel_compile
 from .directory import package_version
 from .integrity import CACHE_DIR
 
@@ -176,12 +176,15 @@ def count_compiles() -> None:
 
 def compile_summary() -> str:
     """Triton's compiles in this process since `count_compiles` (`KernelCache.use_compile_dirs` calls it), for a
-    phase line: kernels, seconds and how many came from the compile cache ("" where nothing was compiled). A
-    kernel from the cache costs milliseconds (its binary loaded); one compiled, about a second."""
+    phase line: kernels, seconds and how many came from the compile cache ("" where nothing was compiled), and how
+    many of them were autotuned candidates compiled in parallel batches (`parallel_compile`), with the batches'
+    wall time. A kernel from the cache costs milliseconds (its binary loaded); one compiled, about a second; the
+    seconds add up each kernel's compile, so parallel ones count in full."""
     if not _COMPILES.kernels:
         return ""
+    batched, wall = parallel_compile.batches()
     return (f"Triton: {_COMPILES.kernels} kernels in {_COMPILES.seconds:.2f} s, {_COMPILES.cached} from the "
-            "compile cache")
+            f"compile cache, {batched} in parallel batches ({wall:.2f} s wall)")
 
 
 def _tuned_entries(kernel: Any) -> list[list]:

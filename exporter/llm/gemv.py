@@ -25,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .parallel_compile import compile_candidates_ahead
+
 try:
     import triton
     import triton.language as tl
@@ -178,8 +180,10 @@ def remember(saved: Mapping[str, str]) -> None:
 
 
 def register_tuned(name: str, kernel):
-    """Add a `triton.autotune`d kernel to `TUNED` (its choices are kept by the kernel cache); returns it."""
+    """Add a `triton.autotune`d kernel to `TUNED` (its choices are kept by the kernel cache), its candidates for a
+    new autotune key compiled in parallel before they are timed (`parallel_compile`); returns it."""
     TUNED[name] = kernel
+    compile_candidates_ahead(kernel)
     return kernel
 
 

@@ -1,0 +1,202 @@
+"""An autotuned kernel's candidates compiled in parallel before they are timed (`exporter.llm.parallel_compile`).
+
+The kernels are really compiled, for the H100 (sm_90) without a GPU: in a child pytest without the interpreter,
+with Triton's active driver replaced by one that names that target and launches nothing, and each autotuned kernel
+timed by a fake benchmark that notes how many compiles had finished when each candidate's timing began. Triton's
+`compile` is wrapped to note the threads that ran it and how many ran at once.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+import triton.compiler  # noqa: E402
+import triton.language as tl  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+from exporter.engine import kernel_cache  # noqa: E402
+from exporter.llm import gemv, parallel_compile  # noqa: E402
+from support.kernels import run_child_pytest  # noqa: E402
+
+CHILD = os.environ.get("SM90_COMPILES") == "1"
+N = 1024
+BLOCKS = (64, 128, 256, 512)  # one candidate each
+TOO_LARGE = 2048  # a candidate that fails to compile (the kernel's static assert)
+
+
+def test_real_compiles_in_a_child_process():
+    if CHILD:
+        pytest.skip("this is the child run")
+    run_child_pytest(__file__, {"SM90_COMPILES": "1", "TRITON_INTERPRET": None})
+
+
+def _double(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    tl.static_assert(BLOCK <= 1024)
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < N) * 2, mask=offsets < N)
+
+
+class NoLaunch(RuntimeError):
+    """What the fake driver raises where a kernel would be loaded or launched."""
+
+
+class SM90Driver:
+    """Triton's active driver for a machine with an H100 as device 0 that launches nothing."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return GPUTarget("cuda", 90, 32)
+
+    def __getattr__(self, name: str):
+        raise NoLaunch(f"no GPU here ({name})")
+
+
+@dataclass
+class Compiles:
+    """What Triton's compile did: the threads that ran it, the most running at once, how many had finished (the
+    failed ones too) when each timing began, and how many finished."""
+
+    threads: set[str] = field(default_factory=set)
+    running: int = 0
+    most: int = 0
+    finished: int = 0
+    at_timings: list[int] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def wrap(self, compile_: Callable) -> Callable:
+        def counted(*args, **kwargs):
+            with self.lock:
+                self.threads.add(threading.current_thread().name)
+                self.running += 1
+                self.most = max(self.most, self.running)
+            try:
+                time.sleep(0.2)  # compiles of one batch overlap even where one takes milliseconds
+                return compile_(*args, **kwargs)
+            finally:
+                with self.lock:
+                    self.running -= 1
+                    self.finished += 1
+        return counted
+
+    def bench(self, kernel_call: Callable[[], None], quantiles) -> list[float]:
+        """The autotuner's timing of one candidate: its run compiles it if needed (a failed compile raises, as in
+        a real timing), and its launch is skipped."""
+        with self.lock:
+            self.at_timings.append(self.finished)
+        try:
+            kernel_call()
+        except NoLaunch:
+            pass
+        return [1.0] * len(quantiles)
+
+
+@pytest.fixture
+def compiles(monkeypatch, tmp_path) -> Compiles:
+    if not CHILD:
+        pytest.skip("runs in the child pytest (real compiles for sm_90)")
+    monkeypatch.setattr(driver, "_active", SM90Driver())
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # every kernel compiled, none from an earlier test
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)  # more threads than candidates' compiles a test needs
+    monkeypatch.setattr(gemv, "TUNED", {})
+    monkeypatch.setattr(parallel_compile, "_BATCHES", parallel_compile._Batches())
+    monkeypatch.setattr(kernel_cache, "_COMPILES", kernel_cache._TritonCompiles())
+    kernel_cache.count_compiles()
+    recorded = Compiles()
+    monkeypatch.setattr(triton.compiler, "compile", recorded.wrap(triton.compiler.compile))
+    return recorded
+
+
+def registered(name: str, compiles: Compiles, blocks=BLOCKS):
+    """A fresh autotuned `_double` over `blocks`, registered as the engine's kernels are."""
+    configs = [triton.Config({"BLOCK": block}, num_warps=4) for block in blocks]
+    return gemv.register_tuned(name, triton.autotune(configs, key=["N"], do_bench=compiles.bench)(triton.jit(_double)))
+
+
+def call(kernel, n: int = N) -> None:
+    """One call of `kernel` on n numbers (tuned, compiled; the launch itself is skipped)."""
+    x = torch.zeros(n, dtype=torch.float16)
+    with pytest.raises(NoLaunch):
+        kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, torch.empty_like(x), n)
+
+
+def test_all_candidates_are_compiled_on_several_threads_before_the_first_timing(compiles):
+    kernel = registered("double", compiles)
+    call(kernel)
+    assert compiles.at_timings == [len(BLOCKS)] * len(BLOCKS)
+    assert compiles.most > 1 and threading.current_thread().name not in compiles.threads
+    assert compiles.finished == len(BLOCKS)  # the timings and the call found every candidate compiled
+    assert re.fullmatch(rf"Triton: {len(BLOCKS)} kernels in [0-9.]+ s, 0 from the compile cache, {len(BLOCKS)} in "
+                        r"parallel batches \([0-9.]+ s wall\)", kernel_cache.compile_summary())
+
+
+def test_a_candidate_that_fails_to_compile_leaves_the_others_compiled(compiles):
+    kernel = registered("double", compiles, blocks=(TOO_LARGE, *BLOCKS))
+    call(kernel)
+    assert compiles.at_timings[0] == len(BLOCKS) + 1  # all attempted at once, the failed one too
+    failed = kernel.configs[0]
+    assert kernel.configs_timings[failed] == [float("inf")] * 3  # its timing met its error, as before: skipped
+    assert all(kernel.configs_timings[config] == [1.0] * 3 for config in kernel.configs[1:])
+    assert kernel.cache[(N, "torch.float16", "torch.float16")] == kernel.configs[1]
+    assert parallel_compile.batches()[0] == len(BLOCKS)
+
+
+def test_a_key_already_chosen_compiles_only_its_config_on_the_caller(compiles):
+    kernel = registered("double", compiles)
+    kernel.cache[(N, "torch.float16", "torch.float16")] = kernel.configs[2]  # as the kernel cache seeds it
+    call(kernel)
+    assert compiles.at_timings == [] and compiles.finished == 1
+    assert compiles.threads == {threading.current_thread().name}
+    assert parallel_compile.batches() == (0, 0.0)
+
+
+def test_two_threads_tuning_two_kernels_at_once_count_every_compile(compiles):
+    kernels = [registered(f"double{index}", compiles) for index in range(2)]
+    start = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def tune(kernel) -> None:
+        start.wait()
+        try:
+            call(kernel)
+        except BaseException as error:  # noqa: BLE001 - shown by the assert below
+            errors.append(error)
+
+    threads = [threading.Thread(target=tune, args=(kernel,)) for kernel in kernels]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert compiles.finished == parallel_compile.batches()[0] == kernel_cache._COMPILES.kernels == 2 * len(BLOCKS)
+
+
+def test_a_triton_without_asynchronous_compiles_compiles_one_by_one_in_the_timing(compiles, monkeypatch):
+    monkeypatch.setattr(parallel_compile, "AsyncCompileMode", None)  # what the import falls back to
+    kernel = registered("double", compiles)
+    call(kernel)
+    assert compiles.at_timings == list(range(len(BLOCKS)))  # each compiled as its timing began, as before
+    assert compiles.threads == {threading.current_thread().name}
+    assert parallel_compile.batches() == (0, 0.0)
+
+
+def test_the_interpreter_keeps_the_autotuner_as_it_is(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    kernel = triton.autotune([triton.Config({"BLOCK": block}) for block in BLOCKS], key=["N"])(triton.jit(_double))
+    parallel_compile.compile_candidates_ahead(kernel)
+    assert "prune_configs" not in vars(kernel)
