@@ -16,6 +16,7 @@ first. Prints a table beside the numbers measured before this work (issue 20) an
     python bench/coldstart_bench.py                        # CUDA: the 7B shape in bf16 (about 5 minutes on an H100)
     python bench/coldstart_bench.py --tiny                 # CPU: a tiny shape, checks that the script runs
     python bench/coldstart_bench.py --mid --no-serve       # CPU: 1.5 GB of LLM weights, export and load only
+    python bench/coldstart_bench.py --late_reads           # the restart also lists what it read after the stream
 """
 
 from __future__ import annotations
@@ -168,14 +169,17 @@ def run_child(args: list[str], log: Path) -> dict:
 # --- serving ---------------------------------------------------------------------------------------------------------
 
 def serve_and_query(engine: Path, device: str, limits: dict, log: Path, image_size: int, new_tokens: int,
-                    steady_requests: int) -> dict:
-    """Start deploy_triton.py on `engine`, time it to READY, then the first and the steady requests."""
+                    steady_requests: int, late_reads: Path | None = None) -> dict:
+    """Start deploy_triton.py on `engine`, time it to READY, then the first and the steady requests; with
+    `late_reads`, through bench/late_reads.py, its report written there and added."""
     from pytriton.client import ModelClient
 
     from deploy.startup import free_port
 
     ports = [free_port() for _ in range(3)]
-    command = [sys.executable, str(REPO / "scripts/deploy_triton.py"), "-tmn", MODEL, "-tmr", str(engine),
+    script = [str(REPO / "scripts/deploy_triton.py")] if late_reads is None else [
+        str(REPO / "bench/late_reads.py"), "--out", str(late_reads), "--"]
+    command = [sys.executable, *script, "-tmn", MODEL, "-tmr", str(engine),
                "-tha", "127.0.0.1", "-trp", str(ports[0]), "--grpc_port", str(ports[1]),
                "--metrics_port", str(ports[2]), "-mbs", str(limits["max_batch_size"]), "--device", device]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
@@ -210,7 +214,14 @@ def serve_and_query(engine: Path, device: str, limits: dict, log: Path, image_si
             "first_request_split": split_request(latencies[0], inside[0], new_tokens),
             "steady_request_split": split_request(steady, tuple(map(statistics.median, zip(*inside[-STEADY_OF:]))),
                                                   new_tokens),
-            "phases": server_phases(log.read_text())}
+            "phases": server_phases(log.read_text()),
+            **({} if late_reads is None else {"late_reads": _late_reads_summary(late_reads)})}
+
+
+def _late_reads_summary(path: Path) -> dict:
+    """bench/late_reads.py's report without its file list (kept in its own JSON)."""
+    report = json.loads(path.read_text())
+    return {key: report[key] for key in ("stream_began_s", "late_files_by_kind", "late_modules")}
 
 
 def wait_logged_ready(process: subprocess.Popen, log: Path, timeout_s: float, poll_s: float) -> float:
@@ -330,8 +341,9 @@ def run(args: argparse.Namespace) -> dict:
                 if start == "first_start":
                     shutil.rmtree(engine / ".cache", ignore_errors=True)
                 drop_caches([engine])
+                traced = out / "coldstart_restart_late_reads.json" if args.late_reads and start == "restart" else None
                 result[start] = serve_and_query(engine, device, limits, out / f"coldstart_{start}.log", image,
-                                                tokens, steady)
+                                                tokens, steady, traced)
                 print(f"{start}: READY in {result[start]['ready_s']:.1f} s", flush=True)
     finally:
         if not args.keep:
@@ -371,6 +383,12 @@ def report(result: dict) -> str:
             lines.append("    first / steady request: " + ", ".join(
                 f"{part[:-2].replace('_', ' ')} {first[part]:.3f} / {steady[part]:.3f} s"
                 for part in ("to_first_token_s", "later_tokens_s", "outside_scheduler_s")))
+            if "late_reads" in measured:
+                late = measured["late_reads"]
+                lines.append("    read after the LLM weights' stream began (opened through Python): " + (", ".join(
+                    f"{kind} {total['files']} files {total['bytes'] / 1e6:.2f} MB"
+                    for kind, total in late["late_files_by_kind"].items()) or "nothing")
+                    + f"; {len(late['late_modules'])} modules imported")
     for title, phases in (("export phases", result.get("export_phases")),
                           *((f"{s.replace('_', ' ')} phases", result[s]["phases"]) for s in ("first_start", "restart")
                             if result.get(s))):
@@ -389,6 +407,9 @@ def main() -> None:
     parser.add_argument("--no-serve", action="store_true", help="export and weight loading only (no server)")
     parser.add_argument("--workdir", default=None, help="where the .nemo and the engine are written (default: $TMPDIR)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument("--late_reads", action="store_true",
+                        help="start the restart through bench/late_reads.py: what it read and imported after the "
+                             "LLM weights' stream began ($OUT/coldstart_restart_late_reads.json)")
     parser.add_argument("--cache_drop", choices=("auto", "files"), default="auto",
                         help="auto: the whole page cache where allowed, else the model's files; files: only those "
                         "(on a machine shared with others)")

@@ -32,7 +32,7 @@ from wire import (
 from .engine import Engine, EngineLimits, LoraOptions, export_engine, load_engine, read_manifest
 from .engine.directory import tensor_parallel_size as engine_tensor_parallel_size
 from .engine.kernel_cache import KernelCache, compile_summary
-from .engine.progress import phase
+from .engine.progress import phase, thread_disk_reads
 from .llm.generate import SamplingParams
 from .llm.lora_layers import LoraBank
 from .lora import LoraError, plan_lora, read_adapter, read_adapters
@@ -223,15 +223,13 @@ class TensorRTMMExporter(ITritonDeployable):
         with the kernel cache restored first and saved after; the phase line's detail times each part. The LLM
         weights' values may still be arriving: nothing here keeps what it computes from them."""
         with phase("warm-up: compile, choose kernels, capture graphs") as note:
-            started = time.perf_counter()
+            started, disk_before = time.perf_counter(), thread_disk_reads()
             restored = kernels.restore() if kernels is not None else None
             restored_at = time.perf_counter()
             self.pipeline = Pipeline(self.engine, kv_cache=self.kv_cache, max_num_tokens=self.max_num_tokens)
-            built_at = time.perf_counter()
             scheduler = self.pipeline.scheduler
             stats = scheduler.capture_stats
-            parts = {"pipeline built": built_at - restored_at - stats.get("before_s", 0.0),
-                     "captures": stats.get("before_s", 0.0)}
+            parts = {"pipeline built": self.pipeline.build_s, "captures": stats.get("before_s", 0.0)}
             details = []
             if restored is not None:
                 parts["kernel cache restore"] = restored_at - started
@@ -248,6 +246,9 @@ class TensorRTMMExporter(ITritonDeployable):
             compiled = compile_summary()
             details.append(compiled and f"{compiled} (inside the warm-up runs)")
             details.append(f"other {time.perf_counter() - started - sum(parts.values()):.2f} s")
+            disk_after = thread_disk_reads()
+            if disk_before is not None and disk_after is not None:
+                details.append(f"its thread read {(disk_after - disk_before) / 1e6:.1f} MB from the disk")
             note["detail"] = "; ".join(detail for detail in details if detail)
 
     def close(self) -> None:

@@ -309,6 +309,9 @@ def build_deployable(settings: argparse.Namespace, load: bool = True):
     except ImportError as error:
         raise DeployError(f"the exporter cannot be imported ({error}); check the installation") from error
     if not exporting:  # after the import: from a cold disk, the import's libraries waited behind the engine's reads
+        from exporter.engine.read_ahead import read_ahead
+
+        read_ahead(repository)  # the start's other reads first: they would wait behind the weights' stream
         prefetch_engine(repository)
     step = "loading the model repository"
     try:

@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_coldstart_bench_runs_and_prints_the_table(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path)}
     command = [sys.executable, str(REPO / "bench/coldstart_bench.py"), "--tiny", "--cache_drop", "files",
-               "--workdir", str(tmp_path)]
+               "--workdir", str(tmp_path), "--late_reads"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "coldstart_bench.json").read_text())
@@ -32,7 +32,12 @@ def test_coldstart_bench_runs_and_prints_the_table(tmp_path):
                    - measured["first_request_s"]) < 1e-6
         assert 0 < measured["steady_request_split"]["to_first_token_s"] < measured["steady_request_s"]
     assert "kernel cache" not in json.dumps(result["first_start"]["phases"])  # the CPU keeps no kernel cache
+    late = result["restart"]["late_reads"]  # the restart ran through bench/late_reads.py
+    assert late["stream_began_s"] > 0 and "late_reads" not in result["first_start"]
+    assert not {"torch.utils._device", "PIL.ImageFile"} & set(late["late_modules"])  # read ahead
+    assert "read ahead of the LLM weights" in result["restart"]["phases"]
     table = done.stdout
     assert "restart: process start to READY s" in table and "export: LLM write beside the perception s" in table
     assert "first / steady request: to first token " in table and "first start phases:" in table
+    assert "read after the LLM weights' stream began" in table
     assert not list(tmp_path.glob("coldstart-*"))  # the work folder is removed

@@ -46,6 +46,16 @@ def phase(name: str, logger: logging.Logger = LOGGER) -> Iterator[dict]:
     logger.info("phase %s: %.2f s%s", name, ended - started, detail)
 
 
+def thread_disk_reads() -> int | None:
+    """Bytes the calling thread has had read from the storage layer so far (its reads and its page faults that
+    missed the page cache: Linux's `/proc/thread-self/io`), None where the system does not say."""
+    try:
+        with open("/proc/thread-self/io") as counters:
+            return next(int(line.split()[1]) for line in counters if line.startswith("read_bytes:"))
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 @contextlib.contextmanager
 def byte_progress(description: str, total: int, logger: logging.Logger = LOGGER
                   ) -> Iterator[Callable[[int], None]]:

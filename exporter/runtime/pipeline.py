@@ -91,11 +91,13 @@ class Pipeline:
         tokenizer = engine.tokenizer
         stops = {tokenizer.token_to_id(token) for token in engine.template.stop_tokens}
         self.stop_token_ids = tuple(sorted(i for i in stops if i is not None))
+        started = time.perf_counter()
         self.scheduler = Scheduler(engine.decoder, max_slots=limits.max_batch_size,
                                    max_seq_len=limits.max_input_len + limits.max_output_len,
                                    eos_id=tokenizer.eos_id, tokenizer=tokenizer,
                                    max_beam_width=limits.max_beam_width, kv_cache=kv_cache,
                                    max_num_tokens=max_num_tokens)
+        self.build_s = time.perf_counter() - started  # the scheduler's KV pool, step buffers and graphs' setup
         if engine.decoder.device.type == "cuda":
             self.scheduler.warm_up(rest_in_background=True)  # what a first request runs now, the rest when idle
         self.scheduler.start()
