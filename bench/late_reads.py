@@ -40,7 +40,7 @@ class Recorder:
     the stream began."""
 
     def __init__(self, repository: Path):
-        self.repository = repository
+        self.repository = Path(os.path.abspath(repository))  # as deploy_triton.py opens it: not resolved
         self.started = time.perf_counter()
         self.opened: dict[str, tuple[str, float]] = {}
         self.stream_began: float | None = None
@@ -49,7 +49,7 @@ class Recorder:
     def __call__(self, event: str, args: tuple) -> None:
         if event != "open" or not isinstance(args[0], str):
             return
-        path, thread = args[0], threading.current_thread().name
+        path, thread = os.path.abspath(args[0]), threading.current_thread().name
         if self.stream_began is None and thread.startswith(STREAM_THREADS) and self._llm_weights(path):
             self.stream_began = time.perf_counter() - self.started
             self.modules_at_stream = set(sys.modules.copy())
@@ -139,7 +139,7 @@ def run(serve: list[str], out: Path, stop_at_ready: bool) -> int:
     """deploy_triton.main(serve) under the recorder; the report written to `out` at READY."""
     import deploy_triton
 
-    recorder = Recorder(Path(deploy_triton.parse_settings(serve).triton_model_repository).resolve())
+    recorder = Recorder(Path(deploy_triton.parse_settings(serve).triton_model_repository))
     sys.addaudithook(recorder)
 
     class AtReady(logging.Handler):
