@@ -19,7 +19,7 @@ restart times nothing it timed before. `release_timing_buffers` frees what the t
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -181,11 +181,12 @@ def remember(saved: Mapping[str, str]) -> None:
 
 # An autotune candidate is timed for 5 ms of warm-up and 25 ms of runs, not Triton's default 25 + 100 ms: on the
 # H100 a first start timed ~110 candidates for 14.3 s before READY (eighth coldstart run); a candidate runs for
-# 0.01-0.5 ms, so 25 ms still holds 50 or more runs (each after an L2 flush) for the median the autotuner compares.
+# 0.01-0.5 ms, so 25 ms still holds about 40 runs or more for the median the autotuner compares (Triton counts the
+# runs from an estimate that includes the flush of its 256 MB buffer out of the L2 before each, ~0.1 ms).
 TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25
 
 
-def time_candidate(kernel_call: Callable[[], object], quantiles) -> list[float] | float:
+def time_candidate(kernel_call: Callable[[], object], quantiles: Sequence[float] | None) -> list[float] | float:
     """An autotune candidate's time at `quantiles`, as the autotuners' `do_bench`: Triton's benchmark over
     `TUNE_WARMUP_MS` + `TUNE_REP_MS`."""
     return triton.testing.do_bench(kernel_call, warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, quantiles=quantiles)
