@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "scripts")]
 
-STREAM_THREADS = ("engine-prefetch", "engine-fill", "engine-reader")  # deploy_triton's prefetch, the load's fill
+STREAM_THREADS = ("engine-prefetch", "engine-fill", "engine-reader")  # the load's prefetch and fill
 LLM_WEIGHTS_NAME = "model"  # llm_engine/model.safetensors, llm_engine/model.rank<r>.safetensors
 
 

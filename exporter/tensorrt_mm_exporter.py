@@ -32,7 +32,9 @@ from wire import (
 from .engine import Engine, EngineLimits, LoraOptions, export_engine, load_engine, read_manifest
 from .engine.directory import tensor_parallel_size as engine_tensor_parallel_size
 from .engine.kernel_cache import KernelCache, compile_summary
+from .engine.prefetch import prefetch_engine
 from .engine.progress import phase, thread_disk_reads
+from .engine.read_ahead import read_ahead
 from .llm.generate import SamplingParams
 from .llm.lora_layers import LoraBank
 from .lora import LoraError, plan_lora, read_adapter, read_adapters
@@ -52,7 +54,8 @@ class InvalidModalityError(ValueError, AssertionError):
 class TensorRTMMExporter(ITritonDeployable):
     """Export a NeMo multimodal checkpoint to an engine directory and run or serve it.
 
-    ``model_dir`` is the engine directory; with ``load_model=True`` an existing engine there is loaded at once.
+    ``model_dir`` is the engine directory; with ``load_model=True`` an existing engine there is loaded at once (its
+    files read into the page cache ahead of and beside the load: a cold start's disk reads overlap).
     ``media_policy`` caps the media the model decodes (image pixels, video frames and duration, audio bytes and
     duration); None keeps each model type's defaults. ``verify_engine``: check the engine files' sha256 at load
     (None: when not verified in their current state before; sizes are always checked).
@@ -90,6 +93,11 @@ class TensorRTMMExporter(ITritonDeployable):
         self.pipeline: Pipeline | None = None
         self.ranks: Ranks | None = None
         if load_model and (self.model_dir / "manifest.json").is_file():
+            # a start from a cold disk: its other reads before the weights' stream, which they would wait behind,
+            # then the engine's files read in the background while the load goes on (not after an export: the
+            # files it wrote are in the page cache)
+            read_ahead(self.model_dir)
+            prefetch_engine(self.model_dir)
             self._load()
 
     def export(

@@ -15,11 +15,8 @@ STARTED = time.perf_counter()  # READY is logged as the time since here, imports
 import argparse  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
-import os  # noqa: E402
-import queue  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-import threading  # noqa: E402
 from collections.abc import Callable  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -30,8 +27,6 @@ from deploy.startup import MANIFEST_NAME, DeployError, check_model_repository, c
 from wire import MODALITIES, stream_model_name  # noqa: E402
 
 LOGGER = logging.getLogger("deploy_triton")
-PREFETCH_THREADS = 4
-PREFETCH_BLOCK_BYTES = 64 << 20
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 
 LLM_MODEL_TYPES = ("gptnext", "gpt", "llama", "falcon", "starcoder", "mixtral", "gemma")
@@ -308,11 +303,6 @@ def build_deployable(settings: argparse.Namespace, load: bool = True):
         from exporter import TensorRTMMExporter
     except ImportError as error:
         raise DeployError(f"the exporter cannot be imported ({error}); check the installation") from error
-    if not exporting:  # after the import: from a cold disk, the import's libraries waited behind the engine's reads
-        from exporter.engine.read_ahead import read_ahead
-
-        read_ahead(repository)  # the start's other reads first: they would wait behind the weights' stream
-        prefetch_engine(repository)
     step = "loading the model repository"
     try:
         exporter = TensorRTMMExporter(model_dir=str(repository), load_model=load and not exporting,
@@ -347,51 +337,6 @@ def timed(phase: str, action: Callable[[], object]) -> None:
     started = time.perf_counter()
     action()
     LOGGER.info("phase %s: %.2f s", phase, time.perf_counter() - started)
-
-
-def prefetch_engine(repository: Path) -> None:
-    """Read the engine's files (largest first) into the page cache on background threads, so that a cold start
-    reads the disk while CUDA starts, the perception loads and the warm-up runs (the LLM weights are filled in
-    beside it). Started once the exporter is imported: on the H100 with the page cache dropped, a prefetch begun
-    before the import held the import's own reads back (the load began 15.5 s after the process started, 3.7 s
-    after the prefetch's end). Best effort: skipped when the files would not fit in the available memory; read
-    errors are left to the load."""
-    try:
-        files = json.loads((repository / "manifest.json").read_text())["files"]
-        sizes = {repository / name: int(record["size"]) for name, record in files.items()}
-        with open("/proc/meminfo") as meminfo:
-            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, StopIteration):
-        return
-    if sum(sizes.values()) > available // 2:
-        return
-    blocks: queue.SimpleQueue = queue.SimpleQueue()
-    for path, size in sorted(sizes.items(), key=lambda item: -item[1]):
-        for offset in range(0, size, PREFETCH_BLOCK_BYTES):
-            blocks.put((path, offset))
-    started, running = time.perf_counter(), [PREFETCH_THREADS]
-    lock = threading.Lock()
-
-    def read() -> None:
-        buffer = bytearray(PREFETCH_BLOCK_BYTES)
-        while True:
-            try:
-                path, offset = blocks.get_nowait()
-            except queue.Empty:
-                break
-            try:
-                with open(path, "rb", buffering=0) as stream:
-                    os.preadv(stream.fileno(), [buffer], offset)
-            except OSError:
-                pass
-        with lock:
-            running[0] -= 1
-            if not running[0]:
-                LOGGER.info("phase prefetch the engine files (in the background): %.2f s (%.2f GB)",
-                            time.perf_counter() - started, sum(sizes.values()) / 1e9)
-
-    for _ in range(PREFETCH_THREADS):
-        threading.Thread(target=read, name="engine-prefetch", daemon=True).start()
 
 
 def _export_arguments(settings: argparse.Namespace) -> dict:

@@ -263,14 +263,10 @@ def test_streaming_needs_a_model_that_streams():
 
 
 def _write_fake_exporter(root: Path) -> None:
-    """An `exporter` package whose TensorRTMMExporter is the stub, shadowing the real one for the script (and a
-    read-ahead with nothing to read)."""
+    """An `exporter` package whose TensorRTMMExporter is the stub, shadowing the real one for the script."""
     package = root / "exporter"
     package.mkdir()
     (package / "__init__.py").write_text("from support.stub_model import StubMultimodalModel as TensorRTMMExporter\n")
-    (package / "engine").mkdir()  # the script reads a served engine's files ahead of its weights: the stub has none
-    (package / "engine" / "__init__.py").write_text("")
-    (package / "engine" / "read_ahead.py").write_text("def read_ahead(model_dir):\n    return None\n")
 
 
 def test_scripts_serve_and_query_from_plain_python(tmp_path):

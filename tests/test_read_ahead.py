@@ -1,10 +1,11 @@
 """The restart's read-ahead (`exporter.engine.read_ahead`): what a start reads besides the LLM weights, read before
 the weights' stream begins.
 
-`deploy_triton.py`'s restart of a tiny engine runs in a fresh process with an audit hook recording each file
-opened and each module imported, by thread: the engine's other files and the kernel cache's (a fake one here:
-there is no GPU) are read, and the modules the load, its warm-up and the warm-up request would import late are
-imported, before the prefetch's first read; nothing is imported after it.
+A restart of a tiny engine through each front end (`deploy_triton.py`, the Python API, the Ray Serve replica) runs
+in a fresh process with an audit hook recording each file opened and each module imported, by thread: the
+engine's other files and the kernel cache's (a fake one here: there is no GPU) are read, and the modules the load,
+its warm-up and the warm-up request would import late are imported, before the prefetch's first read; nothing is
+imported after it by the servers. An export that loads its engine reads nothing ahead.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from exporter import TensorRTMMExporter
+from exporter import TensorRTMMExporter, tensorrt_mm_exporter
 from exporter.engine import read_ahead
 from exporter.engine.directory import LLM_WEIGHTS
 from support.servers import DEPLOY_SCRIPT
@@ -30,29 +31,41 @@ KERNEL_FILES = ("choices.json", "triton/0a1b/kernel.cubin", "triton/0a1b/kernel.
 # the restart, up to the warm-up request: the files opened (thread, path) until the prefetch opens the LLM weights,
 # the modules loaded then (an audit hook sees no `importlib.import_module`) and those loaded by the end
 RESTART = """
-import json, sys, threading
-opened, loaded = [], {}
+import json, logging, sys, threading
+logging.basicConfig(level=logging.INFO)
+opened, loaded = [], {{}}
 def record(event, args):
     if event == "open" and isinstance(args[0], str) and "stream" not in loaded:
         opened.append((threading.current_thread().name, args[0]))
         if threading.current_thread().name.startswith("engine-prefetch") and args[0].endswith(sys.argv[3]):
             loaded["stream"] = list(sys.modules.copy())
 sys.path.insert(0, sys.argv[1])
-import deploy_triton
+{imports}
 sys.addaudithook(record)
-settings = deploy_triton.parse_settings(["-tmn", "m", "-tmr", sys.argv[2], "--device", "cpu"])
-exporter = deploy_triton.build_deployable(settings)
+exporter = {start}
 exporter.triton_infer_fn(**exporter.triton_warmup_request())
 exporter.close()
-print(json.dumps({"opened": opened, "at_stream": loaded["stream"], "at_end": list(sys.modules)}))
+print(json.dumps({{"opened": opened, "at_stream": loaded["stream"], "at_end": list(sys.modules)}}))
 """
+FRONT_ENDS = {  # (imports, the exporter loaded from the engine in sys.argv[2])
+    "deploy_triton": ("import deploy_triton", "deploy_triton.build_deployable(deploy_triton.parse_settings("
+                      "['-tmn', 'm', '-tmr', sys.argv[2], '--device', 'cpu']))"),
+    "python_api": ("from exporter import TensorRTMMExporter", "TensorRTMMExporter(sys.argv[2], device='cpu')"),
+    "ray_replica": ("from deploy.ray_serve.replica import EngineReplica",
+                    "EngineReplica(sys.argv[2], engine_options={'device': 'cpu'}).exporter"),
+}
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> Path:
+def vlm(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("read_ahead_vlm")
+    return build_vlm(folder / "legacy", tokenizer_file(folder))
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory, vlm) -> Path:
     """A tiny Neva's engine, with a kernel cache beside it as a GPU start leaves one."""
     folder = tmp_path_factory.mktemp("read_ahead")
-    vlm = build_vlm(folder / "legacy", tokenizer_file(folder))
     TensorRTMMExporter(folder / "engine", load_model=False, device="cpu").export(
         vlm.nemo, model_type="neva", dtype="float32", load_model=False, **LIMITS)
     cache = folder / "engine" / ".cache" / "kernels-0123456789abcdef"
@@ -62,8 +75,11 @@ def engine(tmp_path_factory) -> Path:
     return folder / "engine"
 
 
-def test_a_restart_reads_its_other_files_and_imports_its_modules_before_the_weights_stream(engine):
-    result = subprocess.run([sys.executable, "-c", RESTART, str(DEPLOY_SCRIPT.parent), str(engine), LLM_WEIGHTS],
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
+def test_a_restart_reads_its_other_files_and_imports_its_modules_before_the_weights_stream(engine, front_end):
+    imports, start = FRONT_ENDS[front_end]
+    result = subprocess.run([sys.executable, "-c", RESTART.format(imports=imports, start=start),
+                             str(DEPLOY_SCRIPT.parent), str(engine), LLM_WEIGHTS],
                             capture_output=True, text=True, timeout=300,
                             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert result.returncode == 0, result.stderr[-2000:]
@@ -74,7 +90,21 @@ def test_a_restart_reads_its_other_files_and_imports_its_modules_before_the_weig
     assert expected - read_first == set()
     assert str(engine / LLM_WEIGHTS) not in read_first
     assert set(read_ahead.LATE_MODULES) <= set(seen["at_stream"])
-    assert sorted(set(seen["at_end"]) - set(seen["at_stream"])) == []  # the list misses none
+    if front_end != "python_api":  # the Triton warm-up request imports PyTriton, which a Python user may never use
+        assert sorted(set(seen["at_end"]) - set(seen["at_stream"])) == []  # the list misses none
+    assert result.stderr.count("phase read ahead of the LLM weights:") == 1  # once per load
+
+
+def test_an_export_that_loads_its_engine_reads_nothing_ahead(vlm, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(tensorrt_mm_exporter, "read_ahead", lambda model_dir: calls.append("read_ahead"))
+    monkeypatch.setattr(tensorrt_mm_exporter, "prefetch_engine", lambda model_dir: calls.append("prefetch"))
+    exporter = TensorRTMMExporter(tmp_path / "engine", load_model=False, device="cpu")
+    exporter.export(vlm.nemo, model_type="neva", dtype="float32", **LIMITS)
+    assert exporter.pipeline is not None and calls == []
+    exporter.close()
+    TensorRTMMExporter(tmp_path / "engine", device="cpu").close()
+    assert calls == ["read_ahead", "prefetch"]
 
 
 def test_the_engine_files_leave_out_the_llm_weights_and_the_onnx_encoder(engine, tmp_path):

@@ -30,6 +30,7 @@ class EngineReplica:
     `num_threads` sets torch's CPU threads (the CPUs Ray gives the replica)."""
 
     def __init__(self, model_dir: str, num_threads: int | None = None, engine_options: dict[str, Any] | None = None):
+        import pytriton.model_config  # noqa: F401 - the warm-up request's specs: imported before the weights' stream
         import torch
 
         from exporter import TensorRTMMExporter

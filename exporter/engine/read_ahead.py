@@ -1,12 +1,12 @@
 """What a restart reads besides the LLM weights, read before the weights' stream begins.
 
-On a cold page cache the LLM weights' stream (`deploy_triton.py`'s prefetch, the fill beside the warm-up) keeps
+On a cold page cache the LLM weights' stream (`prefetch.py`'s threads, the fill beside the warm-up) keeps
 the disk's queue full for seconds, and every other read of the start waits behind it: the perception's weights,
 the tokenizer and configs, the kernel cache's files (`.cache/`: the choices, Triton's compiled kernels, each
 kernel's whole folder read on a hit) and the modules the load and the warm-up import on first use. `read_ahead`
 reads those files once into the page cache (through one small buffer per reader: nothing is kept in memory) on a
 few threads while the calling thread imports the modules, and returns when both are done, so the stream that
-follows finds the disk free of them.
+follows finds the disk free of them. `TensorRTMMExporter` runs it before loading an exported engine.
 """
 
 from __future__ import annotations
