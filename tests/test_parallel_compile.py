@@ -8,6 +8,7 @@ timed by a fake benchmark that notes how many compiles had finished when each ca
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import threading
@@ -119,6 +120,16 @@ def compiles(monkeypatch, tmp_path) -> Compiles:
     kernel_cache.count_compiles()
     recorded = Compiles()
     monkeypatch.setattr(triton.compiler, "compile", recorded.wrap(triton.compiler.compile))
+    # CPython 3.11.7 (CI's) can fail an `ast.parse` run beside another thread's ("AST constructor recursion depth
+    # mismatch"); Triton parses a kernel's source on each compile. Such a candidate is left out of its batch and
+    # compiled again by its timing (harmless), which would make these counts vary: the tests parse one at a time.
+    parse, parsing = ast.parse, threading.Lock()
+
+    def parse_alone(*args, **kwargs):
+        with parsing:
+            return parse(*args, **kwargs)
+
+    monkeypatch.setattr(ast, "parse", parse_alone)
     return recorded
 
 
