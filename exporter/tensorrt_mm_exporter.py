@@ -94,10 +94,9 @@ class TensorRTMMExporter(ITritonDeployable):
         self.ranks: Ranks | None = None
         if load_model and (self.model_dir / "manifest.json").is_file():
             # a start from a cold disk: its other reads before the weights' stream, which they would wait behind,
-            # then the engine's files read in the background while the load goes on (not after an export: the
-            # files it wrote are in the page cache)
-            read_ahead(self.model_dir)
-            prefetch_engine(self.model_dir)
+            # then what they left (the LLM weights) read in the background while the load goes on (not after an
+            # export: the files it wrote are in the page cache)
+            prefetch_engine(read_ahead(self.model_dir, self.device).stream)
             self._load()
 
     def export(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 
 pytest.register_assert_rewrite("support")  # the helpers' asserts explain themselves as the tests' own do
@@ -9,6 +11,10 @@ pytest.register_assert_rewrite("support")  # the helpers' asserts explain themse
 from exporter import TensorRTMMExporter  # noqa: E402
 from support.decoders import make_tiny_gpt_weights  # noqa: E402
 from support.demo import DEMO_NEMO, demo_deployed  # noqa: E402
+from support.tokenizer_files import tokenizer_file  # noqa: E402
+
+if TYPE_CHECKING:
+    from support.vlm import TinyVlm
 
 
 @pytest.fixture
@@ -56,3 +62,12 @@ def demo_server(tmp_path_factory):
     with demo_deployed(tmp_path_factory.mktemp("engine"), max_batch_size=8, max_output_len=16,
                        max_beam_width=2) as running:
         yield running
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory) -> TinyVlm:
+    """A tiny Neva checkpoint in NeMo's legacy layout (`support.vlm.build_vlm`), built once per test module."""
+    from support.vlm import build_vlm  # transformers: imported by the modules that use it, not at every collection
+
+    folder = tmp_path_factory.mktemp("vlm")
+    return build_vlm(folder / "legacy", tokenizer_file(folder))

@@ -43,8 +43,6 @@ from exporter.llm import gemv, paged_triton
 from exporter.meta_device import on_meta
 from exporter.models import get_model_type
 from support.media import random_image
-from support.tokenizer_files import tokenizer_file
-from support.vlm import build_vlm
 
 MB = 1 << 20
 IDENTITY = {"gpu": "Fake GPU 80GB", "capability": "9.0", "torch": "2.11.0", "cuda": "12.8", "triton": "3.5.0",
@@ -495,12 +493,6 @@ def test_the_compile_counter_listens_once_chains_the_listener_before_it_and_skip
 
 
 # --- the engine directory --------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vlm")
-    return build_vlm(folder / "legacy", tokenizer_file(folder))
-
 
 def export(model_dir: Path, nemo: Path) -> None:
     TensorRTMMExporter(model_dir, load_model=False, device="cpu").export(nemo, model_type="neva", dtype="float32",

@@ -22,19 +22,11 @@ from exporter import TensorRTMMExporter
 from exporter.engine import EngineError
 from support.archives import METADATA, replace_member, via_stack_global
 from support.media import random_image
-from support.tokenizer_files import tokenizer_file
-from support.vlm import build_vlm
 
 REPO = Path(__file__).resolve().parents[1]
 LIMITS = {"max_batch_size": 1, "max_input_len": 256, "max_output_len": 4, "max_multimodal_len": 64}
 LLM_WEIGHTS = "llm_engine/model.safetensors"
 QUESTION = "describe the image"
-
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("vlm")
-    return build_vlm(folder / "legacy", tokenizer_file(folder))
 
 
 @pytest.fixture(scope="module")
