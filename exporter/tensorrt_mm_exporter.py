@@ -251,7 +251,7 @@ class TensorRTMMExporter(ITritonDeployable):
                 details.append(f"kernel cache {'saved' if saved else 'not saved'} in "
                                f"{parts['kernel cache save']:.2f} s")
             compiled = compile_summary()
-            details.append(compiled and f"{compiled} (inside the warm-up runs)")
+            details.append(compiled and f"{compiled} (inside the pipeline build and the warm-up runs)")
             details.append(f"other {time.perf_counter() - started - sum(parts.values()):.2f} s")
             disk_after = thread_disk_reads()
             if disk_before is not None and disk_after is not None:

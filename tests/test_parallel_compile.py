@@ -27,7 +27,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
 from exporter.engine import kernel_cache  # noqa: E402
-from exporter.llm import gemv, parallel_compile  # noqa: E402
+from exporter.llm import gemv, paged_triton, parallel_compile  # noqa: E402
 from support.kernels import run_child_pytest  # noqa: E402
 
 CHILD = os.environ.get("SM90_COMPILES") == "1"
@@ -116,6 +116,7 @@ def compiles(monkeypatch, tmp_path) -> Compiles:
     monkeypatch.setattr(os, "cpu_count", lambda: 4)  # more threads than candidates' compiles a test needs
     monkeypatch.setattr(gemv, "TUNED", {})
     monkeypatch.setattr(parallel_compile, "_BATCHES", parallel_compile._Batches())
+    monkeypatch.setattr(parallel_compile, "_AHEAD", parallel_compile._Batches())
     monkeypatch.setattr(kernel_cache, "_COMPILES", kernel_cache._TritonCompiles())
     kernel_cache.count_compiles()
     recorded = Compiles()
@@ -211,3 +212,96 @@ def test_the_interpreter_keeps_the_autotuner_as_it_is(monkeypatch):
     kernel = triton.autotune([triton.Config({"BLOCK": block}) for block in BLOCKS], key=["N"])(triton.jit(_double))
     parallel_compile.compile_candidates_ahead(kernel)
     assert "prune_configs" not in vars(kernel)
+
+
+def launch(kernel, n: int = N) -> None:
+    """`kernel` on n numbers, the launch itself not expected to fail (under `compiles_only` there is none)."""
+    x = torch.zeros(n, dtype=torch.float16)
+    kernel[lambda meta: (triton.cdiv(n, meta["BLOCK"]),)](x, torch.empty_like(x), n, **(
+        {} if isinstance(kernel, triton.runtime.Autotuner) else {"BLOCK": 32}))  # a block no candidate has
+
+
+@pytest.fixture
+def timed(compiles, monkeypatch) -> Compiles:
+    """`compiles`, with Triton's benchmark (what `gemv.time_candidate` runs) replaced by its fake timing."""
+    monkeypatch.setattr(triton.testing, "do_bench", lambda kernel_call, quantiles, **_: compiles.bench(
+        kernel_call, quantiles))
+    return compiles
+
+
+def tuned(name: str) -> object:
+    """A fresh autotuned `_double` over `BLOCKS`, timed by `gemv.time_candidate`, registered as ours are."""
+    configs = [triton.Config({"BLOCK": block}, num_warps=4) for block in BLOCKS]
+    return gemv.register_tuned(name, triton.autotune(configs, key=["N"], do_bench=gemv.time_candidate)(
+        triton.jit(_double)))
+
+
+def test_compiles_only_compiles_every_kernel_and_key_in_one_batch_launching_and_keeping_nothing(timed,
+                                                                                              monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    plain, kernel = triton.jit(_double), tuned("double")
+    ran = []
+    with parallel_compile.compiles_only():
+        launch(plain)
+        for n in (N, N + 1):  # two autotune keys, compiled apart (N is specialized on its divisibility by 16)
+            launch(kernel, n)
+        product = gemv.fastest(("ahead test",), {"a": lambda: ran.append("a") or 1, "b": lambda: ran.append("b")},
+                               "a")
+        assert gemv.measure_ms(lambda: 1 / 0) == 0.0
+    total = 1 + 2 * len(BLOCKS)
+    assert timed.finished == total and timed.most > len(BLOCKS)  # both keys' candidates at once
+    assert timed.at_timings == [] and kernel.cache == {}  # nothing timed, no config kept
+    assert (product, sorted(ran), gemv.chosen(("ahead test",))) == (1, ["a", "b"], None)
+    assert parallel_compile.ahead()[0] == total and parallel_compile.batches() == (0, 0.0)
+    assert re.fullmatch(rf"Triton: {total} kernels in [0-9.]+ s, 0 from the compile cache, compiled ahead: "
+                        rf"{total} kernels in one batch \([0-9.]+ s wall\), 0 in parallel batches \(0.00 s wall\)",
+                        kernel_cache.compile_summary())
+    with pytest.raises(NoLaunch):  # launched now, compiled before
+        launch(plain)
+    for n in (N, N + 1):
+        call(kernel, n)
+    assert timed.finished == total and timed.at_timings == [total] * (2 * len(BLOCKS))
+    assert len(kernel.cache) == 2
+
+
+def test_compiles_only_compiles_just_the_config_of_a_key_seeded_before(timed):
+    kernel = tuned("double")
+    kernel.cache[(N, "torch.float16", "torch.float16")] = kernel.configs[2]  # as the kernel cache seeds it
+    with parallel_compile.compiles_only():
+        launch(kernel)
+    assert timed.finished == 1 and parallel_compile.ahead()[0] == 1
+    assert kernel.cache == {(N, "torch.float16", "torch.float16"): kernel.configs[2]}
+
+
+def test_compiles_only_leaves_other_threads_launching(compiles):
+    plain, errors = triton.jit(_double), []
+
+    def other() -> None:
+        try:
+            launch(plain, 2 * N)
+        except BaseException as error:  # noqa: BLE001 - shown by the assert below
+            errors.append(error)
+
+    with parallel_compile.compiles_only():
+        thread = threading.Thread(target=other, name="other")
+        thread.start()
+        thread.join()
+    assert [type(error) for error in errors] == [NoLaunch]  # compiled on its own thread, then launched
+    assert "other" in compiles.threads and parallel_compile.ahead()[0] == 0
+
+
+def test_a_triton_without_asynchronous_compiles_makes_compiles_only_a_no_op(compiles, monkeypatch):
+    monkeypatch.setattr(parallel_compile, "AsyncCompileMode", None)
+    with parallel_compile.compiles_only(), pytest.raises(NoLaunch):
+        launch(triton.jit(_double))
+    assert compiles.threads == {threading.current_thread().name} and parallel_compile.ahead() == (0, 0.0)
+
+
+def test_the_representative_call_of_a_kind_runs_under_compiles_only_and_is_recorded_after(compiles, monkeypatch):
+    monkeypatch.setattr(paged_triton, "_tuned", set())
+    ran = []
+    with parallel_compile.compiles_only():
+        paged_triton._tune_first(("ahead test",), 2, lambda: ran.append("ahead"))  # a pool too small to time on
+    assert ran == ["ahead"] and paged_triton.tuned_kinds() == []
+    paged_triton._tune_first(("ahead test",), paged_triton.TUNE_MIN_BLOCKS, lambda: ran.append("timed"))
+    assert ran == ["ahead", "timed"] and paged_triton.tuned_kinds() == [repr(("ahead test",))]

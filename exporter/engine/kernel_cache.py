@@ -177,14 +177,18 @@ def count_compiles() -> None:
 def compile_summary() -> str:
     """Triton's compiles in this process since `count_compiles` (`KernelCache.use_compile_dirs` calls it), for a
     phase line: kernels, seconds and how many came from the compile cache ("" where nothing was compiled), and how
-    many of them were autotuned candidates compiled in parallel batches (`parallel_compile`), with the batches'
-    wall time. A kernel from the cache costs milliseconds (its binary loaded); one compiled, about a second; the
-    seconds add up each kernel's compile, so parallel ones count in full."""
+    many of them were compiled ahead in one batch (`parallel_compile.compiles_only`, where it ran) and how many
+    were autotuned candidates compiled in later parallel batches (`parallel_compile`), with the batches' wall
+    time; the others compiled one by one at their first call. A kernel from the cache costs milliseconds (its
+    binary loaded); one compiled, about a second; the seconds add up each kernel's compile, so parallel ones count
+    in full."""
     if not _COMPILES.kernels:
         return ""
     batched, wall = parallel_compile.batches()
+    ahead, ahead_wall = parallel_compile.ahead()
+    ahead_part = f"compiled ahead: {ahead} kernels in one batch ({ahead_wall:.2f} s wall), " if ahead_wall else ""
     return (f"Triton: {_COMPILES.kernels} kernels in {_COMPILES.seconds:.2f} s, {_COMPILES.cached} from the "
-            f"compile cache, {batched} in parallel batches ({wall:.2f} s wall)")
+            f"compile cache, {ahead_part}{batched} in parallel batches ({wall:.2f} s wall)")
 
 
 def _tuned_entries(kernel: Any) -> list[list]:

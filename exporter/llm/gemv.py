@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .parallel_compile import compile_candidates_ahead
+from .parallel_compile import compile_candidates_ahead, compiling_only
 
 try:
     import triton
@@ -79,7 +79,8 @@ def _runs_gemv(x: Tensor, weight: Tensor) -> bool:
 def fastest(key: tuple, candidates: Mapping[str, Callable[[], Tensor]], default: str) -> Tensor:
     """Run the candidate (equivalent ways to compute one product) that was fastest the first time `key` was seen
     on this device; that first time times each of them. An unseen key inside a CUDA graph capture, where nothing
-    may be timed, runs `default`."""
+    may be timed, runs `default`; under `parallel_compile.compiles_only`, every candidate runs once (their kernels
+    compiled) and `default`'s output is returned, nothing chosen."""
     choice = _CHOICES.get(key)
     if choice is None:
         known = _KNOWN.get(key_text(key))
@@ -87,6 +88,8 @@ def fastest(key: tuple, candidates: Mapping[str, Callable[[], Tensor]], default:
             choice = _CHOICES[key] = known
         elif len(candidates) == 1:
             choice = _CHOICES[key] = next(iter(candidates))
+        elif compiling_only():
+            return {name: run() for name, run in candidates.items()}[default]
         elif torch.cuda.is_current_stream_capturing():
             return candidates[default]()
         else:
@@ -106,7 +109,10 @@ def measure_ms(run: Callable[[], object], repeats: int = 20, replays: int = 5) -
     reads each weight once, from memory; a read leaves no dirty lines to write back during the run, as zeroing a
     buffer would), less a graph of the evicting reads alone; the median of `replays` replays of both. The first
     run is eager (it tunes kernels and makes the copies a candidate reads). A run that cannot be captured is timed
-    eagerly (`triton.testing.do_bench`, which overwrites the L2 cache)."""
+    eagerly (`triton.testing.do_bench`, which overwrites the L2 cache). Under `parallel_compile.compiles_only`:
+    0.0, nothing run."""
+    if compiling_only():
+        return 0.0
     run()
     device = torch.cuda.current_device()
     evict = _EVICT.get(device)
@@ -188,7 +194,10 @@ TUNE_WARMUP_MS, TUNE_REP_MS = 5, 25
 
 def time_candidate(kernel_call: Callable[[], object], quantiles: Sequence[float] | None) -> list[float] | float:
     """An autotune candidate's time at `quantiles`, as the autotuners' `do_bench`: Triton's benchmark over
-    `TUNE_WARMUP_MS` + `TUNE_REP_MS`."""
+    `TUNE_WARMUP_MS` + `TUNE_REP_MS`; zeros, nothing run, under `parallel_compile.compiles_only` (the candidates
+    are compiled there, timed later)."""
+    if compiling_only():
+        return 0.0 if quantiles is None else [0.0] * len(quantiles)
     return triton.testing.do_bench(kernel_call, warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, quantiles=quantiles)
 
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .gemv import register_tuned, time_candidate
+from .parallel_compile import compiling_only
 
 try:
     import triton
@@ -190,10 +191,16 @@ def _tune_first(kind: tuple, pool_blocks: int, representative: Callable[[], obje
     ``TUNE_MIN_BLOCKS`` blocks, whatever the autotuner timed before: it keeps the configuration it timed on the
     first call of each of its keys, and a step graph is captured on idle rows and an empty chunk (one key each,
     where every configuration takes the same launch time), a step's memory measured on a pool of two blocks. Not
-    while a graph is being captured, nor under the interpreter (it runs one configuration)."""
+    while a graph is being captured, nor under the interpreter (it runs one configuration). Under
+    `parallel_compile.compiles_only`, ``representative`` runs on any pool (its kernels compiled) and nothing is
+    recorded: the first call after it times."""
     text = repr(kind)
-    if (text in _tuned or pool_blocks < TUNE_MIN_BLOCKS or _INTERPRETED
-            or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
+    if text in _tuned or _INTERPRETED or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    if compiling_only():
+        representative()
+        return
+    if pool_blocks < TUNE_MIN_BLOCKS:
         return
     _tuned.add(text)
     kernels = (_decode_tuned, _decode_tuned_fp8, _chunk_tuned)

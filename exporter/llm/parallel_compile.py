@@ -9,22 +9,39 @@ of the batch; the timing loop compiles it again and meets its error as before (t
 A key the kernel already has a config for (timed, or seeded by the kernel cache) compiles nothing here. Where
 Triton has no `AsyncCompileMode`, and under its interpreter, candidates compile one by one in the timing loop.
 `batches` tells what the batches did, for the warm-up's log line (`kernel_cache.compile_summary`).
+
+`compiles_only()` goes further, for a first start: inside it, in the calling thread only, a Triton kernel call is
+a warm-up (compiled, not launched) and its compile is submitted to one thread pool shared by every kernel the
+thread meets; an autotuned kernel meeting a new key submits all its candidates there and times nothing (the
+autotuners' benchmarks return zeros under it, `compiling_only()`), and the configs it picked that way are dropped
+when the context is left, which waits for the pool once. The eager steps after it find every kernel compiled, in
+memory. `ahead` tells what that batch did.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 try:
     from triton import knobs
     from triton.runtime._async_compile import AsyncCompileMode, FutureKernel
+    from triton.runtime.jit import JITFunction
 except ImportError:  # no Triton, or a Triton without asynchronous compiles: the timing loop compiles
     AsyncCompileMode = None
+
+# True in a thread inside `compiles_only()` (a context variable: other threads, and the compile pool's, see False)
+_COMPILING: ContextVar[bool] = ContextVar("compiling_only", default=False)
+# the autotuned kernels `compile_candidates_ahead` hooked: their configs picked under `compiles_only` are dropped
+_HOOKED: weakref.WeakSet = weakref.WeakSet()
 
 
 class _Batches:
@@ -46,12 +63,66 @@ class _Batches:
 
 
 _BATCHES = _Batches()
+_AHEAD = _Batches()
 
 
 def batches() -> tuple[int, float]:
     """`(kernels, seconds)`: the kernels compiled ahead of the timing in this process, and the wall time their
     batches took."""
     return _BATCHES.totals()
+
+
+def ahead() -> tuple[int, float]:
+    """`(kernels, seconds)`: the kernels compiled under `compiles_only` in this process, and the wall time of its
+    passes (the pass's own work and its wait for the pool)."""
+    return _AHEAD.totals()
+
+
+def compiling_only() -> bool:
+    """Whether the calling thread is inside `compiles_only()`: Triton kernels are compiled, not launched, and
+    nothing may be timed (a benchmark returns zeros)."""
+    return _COMPILING.get()
+
+
+@contextmanager
+def compiles_only() -> Iterator[None]:
+    """In the calling thread, make every Triton kernel call a warm-up whose compile goes to one pool of
+    `os.cpu_count()` threads (a failed one is left for its later launch to meet), an autotuned kernel submitting
+    all its candidates for a new key; leaving waits for the pool, drops the autotune configs picked meanwhile
+    (untimed) and adds the batch to `ahead`. Outputs of the kernels are left unwritten. No change where Triton
+    lacks `AsyncCompileMode`, or interprets kernels."""
+    if AsyncCompileMode is None or knobs.runtime.interpret:
+        yield
+        return
+    _run_as_warm_up_when_compiling()
+    known = {kernel: set(kernel.cache) for kernel in list(_HOOKED)}
+    started = time.perf_counter()
+    flag = _COMPILING.set(True)
+    try:
+        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="triton-compile") as pool, \
+                AsyncCompileMode(pool, ignore_errors=True) as mode:  # leaving it waits for every compile
+            try:
+                yield
+            finally:
+                submitted = list(mode.future_kernels.values())
+    finally:
+        _COMPILING.reset(flag)
+        for kernel, keys in known.items():
+            for key in set(kernel.cache) - keys:
+                kernel.cache.pop(key, None)
+    _AHEAD.add(sum(future.kernel is not None for future in submitted), time.perf_counter() - started)
+
+
+@functools.cache
+def _run_as_warm_up_when_compiling() -> None:
+    """Wrap `JITFunction.run` (once): inside `compiles_only`, a call is a warm-up (compiled, not launched)."""
+    run = JITFunction.run
+
+    @functools.wraps(run)
+    def run_or_compile(self: Any, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
+        return run(self, *args, grid=grid, warmup=warmup or _COMPILING.get(), **kwargs)
+
+    JITFunction.run = run_or_compile
 
 
 def compile_candidates_ahead(kernel: Any) -> None:
@@ -63,25 +134,34 @@ def compile_candidates_ahead(kernel: Any) -> None:
 
     def prune_and_compile(kwargs: dict[str, Any]) -> list:
         configs = prune(kwargs)
-        if len(configs) > 1:
+        if _COMPILING.get():  # into the pool of `compiles_only`
+            _submit_all(kernel, configs, kwargs)
+        elif len(configs) > 1:
             _compile(kernel, configs, kwargs)
         return configs
 
     kernel.prune_configs = prune_and_compile
+    _HOOKED.add(kernel)
 
 
 def _compile(kernel: Any, configs: Sequence[Any], kwargs: dict[str, Any]) -> None:
     """Compile `configs` of `kernel` for the call being tuned (its positional arguments are in `kernel.nargs`,
     `kwargs` the rest) together, each as a warm-up call (compiled, not launched); wait for all of them."""
-    args = tuple(kernel.nargs.values())
     started = time.perf_counter()
     threads = min(len(configs), os.cpu_count() or 1)
     with ThreadPoolExecutor(threads, thread_name_prefix="triton-compile") as pool, \
             AsyncCompileMode(pool, ignore_errors=True):  # leaving it waits for every compile
-        submitted = [_submit(kernel.fn, args, {**kwargs, **config.all_kwargs(), "grid": None, "warmup": True})
-                     for config in configs]
+        submitted = _submit_all(kernel, configs, kwargs)
     compiled = sum(isinstance(future, FutureKernel) and future.kernel is not None for future in submitted)
     _BATCHES.add(compiled, time.perf_counter() - started)
+
+
+def _submit_all(kernel: Any, configs: Sequence[Any], kwargs: dict[str, Any]) -> list:
+    """Each of `configs` of `kernel` for the call being tuned, as a warm-up call under the active
+    `AsyncCompileMode` (`_submit`)."""
+    args = tuple(kernel.nargs.values())
+    return [_submit(kernel.fn, args, {**kwargs, **config.all_kwargs(), "grid": None, "warmup": True})
+            for config in configs]
 
 
 def _submit(fn: Any, args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -21,6 +21,7 @@ from torch import Tensor
 from ..llm.model import Decoder
 from ..llm.paged_attention import Chunk, PagedBatch, PagedKVCache
 from ..llm.paged_triton import CHUNK_TILE, split_count
+from ..llm.parallel_compile import compiles_only
 from ..llm.sampling import PARENT, POSITION, TOKEN, TokenChooser, host_to_device
 
 BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
@@ -452,14 +453,18 @@ class ForwardStep:
         if padded and filler:
             self.longs.zero_()
             self.ints.zero_()
-        chunk = self._static_chunk(padded) if padded else None
         try:
-            captured = capture(lambda: self._compute(rows, chunk, full, 0, lora), self.pool, proceed,
+            captured = capture(lambda: self.compute(rows, padded, full, lora), self.pool, proceed,
                                self.capture_seconds)
         finally:
             self.chooser.restore(saved)
         if captured is not None:
             self.graphs[(rows, padded, full, lora)] = captured
+
+    def compute(self, rows: int, padded: int, full: bool, lora: bool) -> Tensor:
+        """The computation of graph ``(rows, padded, full, lora)``, run eagerly as its capture runs it (a chunk
+        bucket's static buffers as they are); its logits."""
+        return self._compute(rows, self._static_chunk(padded) if padded else None, full, 0, lora)
 
     def _compute(self, rows: int, chunk: _ChunkInputs | None, full: bool, span: int, lora: bool = False) -> Tensor:
         """Logits of the decode rows ``[rows, V]`` then of each piece's last position, the rows' tokens chosen.
@@ -609,17 +614,44 @@ def activation_bytes(model: Decoder, rows: int, chunk_tokens: int, max_beam_widt
     """The memory one eager step of ``rows`` decode rows and a ``chunk_tokens`` prompt chunk allocates at its peak,
     the full token choice included (CUDA; measured on a two-block cache, before the real one is sized)."""
     device = model.device
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    _activation_step(model, rows, chunk_tokens, max_beam_width)
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def _activation_step(model: Decoder, rows: int, chunk_tokens: int, max_beam_width: int) -> None:
+    """The step ``activation_bytes`` measures, on a throwaway two-block cache (queued, not waited for)."""
+    device = model.device
     cache = model.new_paged_kv_cache(2, SHORTEST_CHUNK)
     pages = -(-chunk_tokens // SHORTEST_CHUNK)
     tables = torch.ones(rows, pages, dtype=torch.int32, device=device)
     chooser = TokenChooser(rows, model.config.vocab_size, device, max_beam_width)
     step = ForwardStep(model, cache, tables, chooser, max_chunk=chunk_tokens, use_cuda_graphs=False)
     embeds = torch.zeros(chunk_tokens, model.config.hidden_size, dtype=model.dtype, device=device)
-    piece = Piece(embeds, 0, [1] * pages)
-    torch.cuda.synchronize(device)
-    base = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    step.launch(rows, 1, [piece], full=True)
-    torch.cuda.synchronize(device)
+    step.launch(rows, 1, [Piece(embeds, 0, [1] * pages)], full=True)
     step.close()
-    return torch.cuda.max_memory_allocated(device) - base
+
+
+def compile_ahead(model: Decoder, *, rows: int, width: int, block_size: int, chunk_tokens: int,
+                  max_beam_width: int, fp8: bool, graphs: bool) -> None:
+    """Compile the Triton kernels of a first start's eager steps in one parallel batch
+    (``parallel_compile.compiles_only``): ``activation_bytes``' step, and with ``graphs`` the computation of each
+    of ``ForwardStep.first_keys``' graphs on a step shaped as the scheduler's (``rows`` x ``width`` block tables
+    over ``block_size``-token blocks, in float8 with ``fp8``), on a throwaway two-block cache. Nothing is launched
+    or timed: the steps after it find their kernels compiled and time them. Not under tensor parallelism (its
+    steps talk to the other ranks); a kernel it misses compiles at its first call, as without it."""
+    if model.tp is not None:
+        return
+    with torch.inference_mode(), compiles_only():
+        _activation_step(model, rows, chunk_tokens, max_beam_width)
+        if graphs:
+            tables = torch.zeros(rows, width, dtype=torch.int32, device=model.device)
+            chooser = TokenChooser(rows, model.config.vocab_size, model.device, max_beam_width)
+            scales = torch.ones(model.config.num_layers, 2, model.kv_heads) if fp8 else None  # only their type counts
+            step = ForwardStep(model, model.new_paged_kv_cache(2, block_size, scales), tables, chooser,
+                               max_chunk=chunk_tokens, use_cuda_graphs=True)
+            for key in step.first_keys():
+                step.compute(*key)

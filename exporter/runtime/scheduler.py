@@ -46,7 +46,7 @@ from ..llm.model import Decoder
 from ..llm.sampling import RowSetup, TokenChooser, host_to_device
 from ..llm.tokenizer import Tokenizer
 from .chunk_pacing import ChunkPacer
-from .cuda_graphs import MAX_PIECES, ForwardStep, LaunchedStep, Piece, activation_bytes
+from .cuda_graphs import MAX_PIECES, ForwardStep, LaunchedStep, Piece, activation_bytes, compile_ahead
 from .kv_cache import BlockPool, BlockTables, KVCacheOptions, allocate_cache, prefix_keys
 
 TokenCallback = Callable[[int], None]
@@ -260,7 +260,13 @@ class Scheduler:
         # the tables cover the longest request, and a null column: positions past it (a capture runs two steps
         # past every row's position) write to the null block
         width = -(-max_seq_len // self.block_size) + 1
-        reserve = 2 * activation_bytes(model, max_slots, max_num_tokens, max_beam_width) if device.type == "cuda" else 0
+        reserve = 0
+        if device.type == "cuda":
+            # the Triton kernels of the steps below and of warm_up compiled in one parallel batch first
+            compile_ahead(model, rows=max_slots, width=width, block_size=self.block_size, chunk_tokens=max_num_tokens,
+                          max_beam_width=max_beam_width, fp8=options.dtype == "fp8",
+                          graphs=use_cuda_graphs is None or bool(use_cuda_graphs))
+            reserve = 2 * activation_bytes(model, max_slots, max_num_tokens, max_beam_width)
         started = time.perf_counter()
         self.cache = allocate_cache(model, options, rows=max_slots, blocks_per_row=width - 1, reserve_bytes=reserve,
                                     scales=kv_cache_scales)

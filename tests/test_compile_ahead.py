@@ -1,0 +1,78 @@
+"""The compile-ahead pass of a scheduler's start (`cuda_graphs.compile_ahead`): which steps it runs, under which
+flag, and that a CPU scheduler skips it. The Triton side (`parallel_compile.compiles_only`) is checked with real
+compiles in tests/test_parallel_compile.py; here the flag is a recording stand-in (no GPU)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from exporter.runtime import cuda_graphs, scheduler
+from exporter.runtime.cuda_graphs import ForwardStep, compile_ahead
+from exporter.runtime.scheduler import Scheduler
+from support.decoders import scheduler_decoder
+
+STATIC = "the static chunk"  # what the patched `_static_chunk` hands over (a CPU step has no static buffers)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return scheduler_decoder()
+
+
+@pytest.fixture
+def steps(monkeypatch) -> list[tuple]:
+    """`(rows, chunk: "static" / "eager" / None, full, lora, inside the flag)` of each step computed."""
+    inside, computed = [False], []
+
+    @contextmanager
+    def flagged():
+        inside[0] = True
+        try:
+            yield
+        finally:
+            inside[0] = False
+
+    compute = ForwardStep._compute
+
+    def recorded(self, rows, chunk, full, span, lora=False):
+        kind = None if chunk is None else "static" if chunk is STATIC else "eager"
+        computed.append((rows, kind, full, lora, inside[0]))
+        if chunk is STATIC:
+            return torch.zeros(rows + 1, self.model.config.vocab_size)
+        return compute(self, rows, chunk, full, span, lora)
+
+    monkeypatch.setattr(cuda_graphs, "compiles_only", flagged)
+    monkeypatch.setattr(ForwardStep, "_compute", recorded)
+    monkeypatch.setattr(ForwardStep, "_static_chunk", lambda self, padded: STATIC)
+    return computed
+
+
+def test_the_pass_runs_the_activation_step_then_each_first_graph_under_the_flag(model, steps):
+    compile_ahead(model, rows=4, width=3, block_size=32, chunk_tokens=64, max_beam_width=1, fp8=False, graphs=True)
+    step = ForwardStep(model, model.new_paged_kv_cache(2, 32), torch.zeros(4, 3, dtype=torch.int32),
+                       cuda_graphs.TokenChooser(4, model.config.vocab_size, model.device, 1), max_chunk=64)
+    first = [(rows, "static" if padded else None, full, lora, True) for rows, padded, full, lora in step.first_keys()]
+    assert steps == [(4, "eager", True, False, True), *first]
+
+
+def test_without_graphs_the_pass_runs_the_activation_step_alone(model, steps):
+    compile_ahead(model, rows=2, width=3, block_size=32, chunk_tokens=32, max_beam_width=1, fp8=False, graphs=False)
+    assert steps == [(2, "eager", True, False, True)]
+
+
+def test_tensor_parallelism_skips_the_pass(model, steps, monkeypatch):
+    monkeypatch.setattr(model, "tp", SimpleNamespace(leader=True))
+    compile_ahead(model, rows=2, width=3, block_size=32, chunk_tokens=32, max_beam_width=1, fp8=False, graphs=True)
+    assert steps == []
+
+
+def test_a_cpu_scheduler_does_not_run_the_pass(model, monkeypatch):
+    def refused(*args, **kwargs):
+        raise AssertionError("compile_ahead ran on the CPU")
+
+    monkeypatch.setattr(scheduler, "compile_ahead", refused)
+    Scheduler(model, max_slots=2, max_seq_len=64, eos_id=None)
