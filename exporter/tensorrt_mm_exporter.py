@@ -233,7 +233,10 @@ class TensorRTMMExporter(ITritonDeployable):
             started, disk_before = time.perf_counter(), thread_disk_reads()
             restored = kernels.restore() if kernels is not None else None
             restored_at = time.perf_counter()
-            self.pipeline = Pipeline(self.engine, kv_cache=self.kv_cache, max_num_tokens=self.max_num_tokens)
+            # kernels restored from the cache load from Triton's disk cache: nothing to compile ahead
+            hit = restored is not None and restored.reason == "hit"
+            self.pipeline = Pipeline(self.engine, kv_cache=self.kv_cache, max_num_tokens=self.max_num_tokens,
+                                     compile_kernels_ahead=not hit)
             scheduler = self.pipeline.scheduler
             stats = scheduler.capture_stats
             parts = {"pipeline built": self.pipeline.build_s, "captures": stats.get("before_s", 0.0)}

@@ -10,9 +10,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from exporter import tensorrt_mm_exporter
+from exporter.engine.kernel_cache import Restored
 from exporter.runtime import cuda_graphs, scheduler
 from exporter.runtime.cuda_graphs import ForwardStep, compile_ahead
 from exporter.runtime.scheduler import Scheduler
+from exporter.tensorrt_mm_exporter import TensorRTMMExporter
 from support.decoders import scheduler_decoder
 
 STATIC = "the static chunk"  # what the patched `_static_chunk` hands over (a CPU step has no static buffers)
@@ -76,3 +79,24 @@ def test_a_cpu_scheduler_does_not_run_the_pass(model, monkeypatch):
 
     monkeypatch.setattr(scheduler, "compile_ahead", refused)
     Scheduler(model, max_slots=2, max_seq_len=64, eos_id=None)
+
+
+@pytest.mark.parametrize("restored, ahead", [(None, True), (Restored("missing"), True),
+                                             (Restored("other identity"), True), (Restored("hit", 5, 14), False)])
+def test_a_start_with_its_kernels_cached_compiles_nothing_ahead(monkeypatch, restored, ahead):
+    """On a kernel-cache hit every kernel loads from Triton's disk cache: the start skips the pass (on the H100 it
+    cost the restart ~1.5 s of eager steps and gained nothing)."""
+    built = {}
+
+    class RecordingPipeline:
+        def __init__(self, engine, **kwargs):
+            built.update(kwargs)
+            self.build_s = 0.0
+            self.scheduler = SimpleNamespace(capture_stats={}, kv_pool_s=0.0, on_captured=None)
+
+    monkeypatch.setattr(tensorrt_mm_exporter, "Pipeline", RecordingPipeline)
+    exporter = TensorRTMMExporter.__new__(TensorRTMMExporter)
+    exporter.engine, exporter.kv_cache, exporter.max_num_tokens = object(), None, None
+    kernels = None if restored is None else SimpleNamespace(restore=lambda: restored, save=lambda: True)
+    exporter._warm_up(kernels)
+    assert built["compile_kernels_ahead"] is ahead

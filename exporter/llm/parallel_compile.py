@@ -38,6 +38,9 @@ try:
 except ImportError:  # no Triton, or a Triton without asynchronous compiles: the timing loop compiles
     AsyncCompileMode = None
 
+# the pool of `compiles_only()`: on the H100 machine's 16 cores a first start's 73 kernels took 24.5 s in one batch
+# on 8 threads against 27.4 s on 16 (each compile longer: parts of it hold the GIL; docs/performance.md, Cold start)
+AHEAD_THREADS = 8
 # True in a thread inside `compiles_only()` (a context variable: other threads, and the compile pool's, see False)
 _COMPILING: ContextVar[bool] = ContextVar("compiling_only", default=False)
 # the autotuned kernels `compile_candidates_ahead` hooked: their configs picked under `compiles_only` are dropped
@@ -87,7 +90,7 @@ def compiling_only() -> bool:
 @contextmanager
 def compiles_only() -> Iterator[None]:
     """In the calling thread, make every Triton kernel call a warm-up whose compile goes to one pool of
-    `os.cpu_count()` threads (a failed one is left for its later launch to meet), an autotuned kernel submitting
+    `AHEAD_THREADS` threads at most (a failed one is left for its later launch to meet), an autotuned kernel submitting
     all its candidates for a new key; leaving waits for the pool, drops the autotune configs picked meanwhile
     (untimed) and adds the batch to `ahead`. Outputs of the kernels are left unwritten. No change where Triton
     lacks `AsyncCompileMode`, or interprets kernels."""
@@ -99,7 +102,7 @@ def compiles_only() -> Iterator[None]:
     started = time.perf_counter()
     flag = _COMPILING.set(True)
     try:
-        with ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="triton-compile") as pool, \
+        with ThreadPoolExecutor(min(AHEAD_THREADS, os.cpu_count() or 1), thread_name_prefix="triton-compile") as pool, \
                 AsyncCompileMode(pool, ignore_errors=True) as mode:  # leaving it waits for every compile
             try:
                 yield

@@ -76,15 +76,16 @@ class Pipeline:
 
     ``run`` returns, per request, its :class:`Completion` or the exception that request alone raised; a bad request
     never fails the others. ``stream`` yields one request's text as it is generated. Media already encoded are
-    taken from ``feature_cache``. ``kv_cache`` and ``max_num_tokens`` configure the scheduler's KV cache and
-    chunked prefill (see :class:`Scheduler`); a prompt that starts like an earlier one (same token ids, same media
+    taken from ``feature_cache``. ``kv_cache``, ``max_num_tokens`` and ``compile_kernels_ahead`` configure the
+    scheduler's KV cache, chunked prefill and first compiles (see :class:`Scheduler`); a prompt that starts like an earlier one (same token ids, same media
     by content) reuses its cached blocks. Each function in ``submitted`` is called with every request's scheduler
     handle as it is submitted (the server's metrics time requests by them). ``on_phase``, when set, is called
     with each host phase of a batch's preparation and its seconds (one of ``PHASES``; the benches' TTFT breakdown).
     """
 
     def __init__(self, engine: Engine, feature_cache: FeatureCache | None = None,
-                 kv_cache: KVCacheOptions | None = None, max_num_tokens: int | None = None):
+                 kv_cache: KVCacheOptions | None = None, max_num_tokens: int | None = None,
+                 compile_kernels_ahead: bool = True):
         self.engine = engine
         self.feature_cache = feature_cache if feature_cache is not None else FeatureCache()
         limits = engine.limits
@@ -96,7 +97,7 @@ class Pipeline:
                                    max_seq_len=limits.max_input_len + limits.max_output_len,
                                    eos_id=tokenizer.eos_id, tokenizer=tokenizer,
                                    max_beam_width=limits.max_beam_width, kv_cache=kv_cache,
-                                   max_num_tokens=max_num_tokens)
+                                   max_num_tokens=max_num_tokens, compile_kernels_ahead=compile_kernels_ahead)
         self.build_s = time.perf_counter() - started  # the scheduler's KV pool, step buffers and graphs' setup
         if engine.decoder.device.type == "cuda":
             self.scheduler.warm_up(rest_in_background=True)  # what a first request runs now, the rest when idle

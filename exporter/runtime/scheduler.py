@@ -227,6 +227,8 @@ class Scheduler:
     most ``decode_chunk_tokens``, ``DECODE_CHUNK_TOKENS`` unless changed, and on CUDA what keeps their step within
     ``MIXED_STEP_LIMIT`` times its time alone, measured, see ``chunk_budget``). ``kv_cache_scales``
     ``[layers, 2, kv_heads]`` sets a float8 cache's scales (default: calibrated on token embeddings).
+    ``compile_kernels_ahead`` (CUDA): compile the first steps' Triton kernels in one parallel batch before they run
+    (``cuda_graphs.compile_ahead``); a start whose kernels are all in Triton's disk cache gains nothing from it.
     ``decode_steps`` counts the decode steps launched and ``steps_queued_ahead`` those launched while the step
     before was still unread; ``prefilled_positions`` the prompt positions computed and ``reused_positions`` those
     taken from other requests' blocks.
@@ -235,7 +237,7 @@ class Scheduler:
     def __init__(self, model: Decoder, *, max_slots: int, max_seq_len: int, eos_id: int | None,
                  tokenizer: Tokenizer | None = None, use_cuda_graphs: bool | None = None, max_beam_width: int = 1,
                  kv_cache: KVCacheOptions | None = None, max_num_tokens: int | None = None,
-                 kv_cache_scales: Tensor | None = None):
+                 kv_cache_scales: Tensor | None = None, compile_kernels_ahead: bool = True):
         if max_slots < 1 or max_seq_len < 2:
             raise ValueError(f"max_slots ({max_slots}) must be >= 1 and max_seq_len ({max_seq_len}) >= 2")
         if not 1 <= max_beam_width <= max_slots:
@@ -262,10 +264,10 @@ class Scheduler:
         width = -(-max_seq_len // self.block_size) + 1
         reserve = 0
         if device.type == "cuda":
-            # the Triton kernels of the steps below and of warm_up compiled in one parallel batch first
-            compile_ahead(model, rows=max_slots, width=width, block_size=self.block_size, chunk_tokens=max_num_tokens,
-                          max_beam_width=max_beam_width, fp8=options.dtype == "fp8",
-                          graphs=use_cuda_graphs is None or bool(use_cuda_graphs))
+            if compile_kernels_ahead:  # the Triton kernels of the steps below and of warm_up, in one parallel batch
+                compile_ahead(model, rows=max_slots, width=width, block_size=self.block_size,
+                              chunk_tokens=max_num_tokens, max_beam_width=max_beam_width, fp8=options.dtype == "fp8",
+                              graphs=use_cuda_graphs is None or bool(use_cuda_graphs))
             reserve = 2 * activation_bytes(model, max_slots, max_num_tokens, max_beam_width)
         started = time.perf_counter()
         self.cache = allocate_cache(model, options, rows=max_slots, blocks_per_row=width - 1, reserve_bytes=reserve,
