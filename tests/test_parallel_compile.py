@@ -48,6 +48,13 @@ def _double(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
     tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < N) * 2, mask=offsets < N)
 
 
+@triton.jit
+def _triple(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    """A kernel a worker process can import by its name (`_double` is jitted inside the tests)."""
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < N) * 3, mask=offsets < N)
+
+
 class NoLaunch(RuntimeError):
     """What the fake driver raises where a kernel would be loaded or launched."""
 
@@ -117,6 +124,7 @@ def compiles(monkeypatch, tmp_path) -> Compiles:
     monkeypatch.setattr(gemv, "TUNED", {})
     monkeypatch.setattr(parallel_compile, "_BATCHES", parallel_compile._Batches())
     monkeypatch.setattr(parallel_compile, "_AHEAD", parallel_compile._Batches())
+    monkeypatch.setattr(parallel_compile, "_IN_WORKERS", parallel_compile._Batches())
     monkeypatch.setattr(kernel_cache, "_COMPILES", kernel_cache._TritonCompiles())
     kernel_cache.count_compiles()
     recorded = Compiles()
@@ -254,7 +262,8 @@ def test_compiles_only_compiles_every_kernel_and_key_in_one_batch_launching_and_
     assert (product, sorted(ran), gemv.chosen(("ahead test",))) == (1, ["a", "b"], None)
     assert parallel_compile.ahead()[0] == total and parallel_compile.batches() == (0, 0.0)
     assert re.fullmatch(rf"Triton: {total} kernels in [0-9.]+ s, 0 from the compile cache, compiled ahead: "
-                        rf"{total} kernels in one batch \([0-9.]+ s wall\), 0 in parallel batches \(0.00 s wall\)",
+                        rf"{total} kernels in one batch \([0-9.]+ s wall, 0 in worker processes\), 0 in parallel batches "
+                        r"\(0.00 s wall\)",
                         kernel_cache.compile_summary())
     with pytest.raises(NoLaunch):  # launched now, compiled before
         launch(plain)
@@ -305,3 +314,55 @@ def test_the_representative_call_of_a_kind_runs_under_compiles_only_and_is_recor
     assert ran == ["ahead"] and paged_triton.tuned_kinds() == []
     paged_triton._tune_first(("ahead test",), paged_triton.TUNE_MIN_BLOCKS, lambda: ran.append("timed"))
     assert ran == ["ahead", "timed"] and paged_triton.tuned_kinds() == [repr(("ahead test",))]
+
+
+@pytest.fixture
+def triple(compiles, monkeypatch) -> Callable[[], object]:
+    """`_triple` with nothing compiled in this process; calling the result launches it (the compiled kernel)."""
+    monkeypatch.setattr(_triple, "device_caches", type(_triple.device_caches)(_triple.device_caches.default_factory))
+    return lambda: launch(_triple)
+
+
+def compiled_triple():
+    """The kernel `_triple` compiled for `launch`'s call (the only one it has)."""
+    (kernel,) = _triple.device_caches[0][0].values()
+    return kernel
+
+
+def test_compiles_only_compiles_an_importable_kernel_in_a_worker_process_and_loads_it_from_the_disk_cache(
+        triple, compiles, monkeypatch, tmp_path):
+    with parallel_compile.compiles_only():
+        triple()
+    # the cache folder is this test's own: the parent's one compile found the kernel there, written by a worker
+    assert compiles.finished == 1 and kernel_cache._COMPILES.cached == 1
+    assert parallel_compile.ahead()[0] == 1 and parallel_compile.ahead_in_workers() == 1
+    assert re.search(r"compiled ahead: 1 kernels in one batch \([0-9.]+ s wall, 1 in worker processes\)",
+                     kernel_cache.compile_summary())
+    shipped = compiled_triple()
+    monkeypatch.setattr(_triple, "device_caches", type(_triple.device_caches)(_triple.device_caches.default_factory))
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "parent"))
+    with pytest.raises(NoLaunch):
+        triple()  # compiled here, from nothing
+    assert kernel_cache._COMPILES.cached == 1 and kernel_cache._COMPILES.kernels == 2
+    here = compiled_triple()
+    assert (shipped.hash, shipped.asm["ptx"], shipped.asm["cubin"]) == (here.hash, here.asm["ptx"], here.asm["cubin"])
+
+
+def test_a_kernel_a_worker_cannot_import_is_compiled_in_the_parent_without_starting_workers(compiles, monkeypatch):
+    monkeypatch.setattr(parallel_compile, "_workers", lambda warm: pytest.fail("worker processes started"))
+    with parallel_compile.compiles_only():
+        launch(triton.jit(_double))  # not reachable by its name: `_double` is the plain function
+    assert compiles.finished == 1 and kernel_cache._COMPILES.cached == 0
+    assert parallel_compile.ahead()[0] == 1 and parallel_compile.ahead_in_workers() == 0
+
+
+def test_a_compile_that_fails_in_its_worker_is_compiled_in_the_parent(triple, compiles, monkeypatch):
+    payload = parallel_compile._payload
+    monkeypatch.setattr(parallel_compile, "_payload", lambda compile_fn: payload(compile_fn) and b"not a pickle")
+    with parallel_compile.compiles_only():
+        triple()
+    assert compiles.finished == 1 and kernel_cache._COMPILES.cached == 0  # compiled here, not found on the disk
+    assert parallel_compile.ahead()[0] == 1 and parallel_compile.ahead_in_workers() == 0
+    with pytest.raises(NoLaunch):
+        triple()  # compiled before: launched now
+    assert compiles.finished == 1

@@ -89,6 +89,10 @@ class KernelCache:
                 os.environ[variable] = chosen[variable] = str(path)
         return chosen
 
+    def saved(self) -> bool:
+        """Whether choices were saved here (`restore` then most likely hits), without reading them."""
+        return (self.folder / CHOICES_FILE).is_file()
+
     def restore(self) -> Restored:
         """Hand the saved choices to `gemv` and the saved autotune configs to their kernels; anything unreadable
         or of another identity is ignored."""
@@ -177,7 +181,8 @@ def count_compiles() -> None:
 def compile_summary() -> str:
     """Triton's compiles in this process since `count_compiles` (`KernelCache.use_compile_dirs` calls it), for a
     phase line: kernels, seconds and how many came from the compile cache ("" where nothing was compiled), and how
-    many of them were compiled ahead in one batch (`parallel_compile.compiles_only`, where it ran) and how many
+    many of them were compiled ahead in one batch (`parallel_compile.compiles_only`, where it ran; how many of
+    those in its worker processes) and how many
     were autotuned candidates compiled in later parallel batches (`parallel_compile`), with the batches' wall
     time; the others compiled one by one at their first call. A kernel from the cache costs milliseconds (its
     binary loaded); one compiled, about a second; the seconds add up each kernel's compile, so parallel ones count
@@ -186,7 +191,8 @@ def compile_summary() -> str:
         return ""
     batched, wall = parallel_compile.batches()
     ahead, ahead_wall = parallel_compile.ahead()
-    ahead_part = f"compiled ahead: {ahead} kernels in one batch ({ahead_wall:.2f} s wall), " if ahead_wall else ""
+    ahead_part = (f"compiled ahead: {ahead} kernels in one batch ({ahead_wall:.2f} s wall, "
+                  f"{parallel_compile.ahead_in_workers()} in worker processes), ") if ahead_wall else ""
     return (f"Triton: {_COMPILES.kernels} kernels in {_COMPILES.seconds:.2f} s, {_COMPILES.cached} from the "
             f"compile cache, {ahead_part}{batched} in parallel batches ({wall:.2f} s wall)")
 

@@ -16,17 +16,28 @@ thread meets; an autotuned kernel meeting a new key submits all its candidates t
 autotuners' benchmarks return zeros under it, `compiling_only()`), and the configs it picked that way are dropped
 when the context is left, which waits for the pool once. The eager steps after it find every kernel compiled, in
 memory. `ahead` tells what that batch did.
+
+Most of a compile holds the GIL (Triton's Python frontend, the MLIR passes' bindings), so threads of one process
+barely scale past a few. Under `compiles_only()` each submitted compile of a kernel that spawned worker processes
+can import again (a `JITFunction` reachable from its module by its qualified name, its arguments picklable) first
+runs in one of them (`start_workers`), which writes Triton's disk cache; the pool's thread then runs Triton's own
+compile, now a disk-cache hit. A kernel that cannot be shipped, or whose worker compile fails, is compiled by the
+thread itself: the parent builds or loads every kernel it runs in all cases.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import io
+import multiprocessing
 import os
+import pickle
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -41,6 +52,8 @@ except ImportError:  # no Triton, or a Triton without asynchronous compiles: the
 # the pool of `compiles_only()`: on the H100 machine's 16 cores a first start's 73 kernels took 24.5 s in one batch
 # on 8 threads against 27.4 s on 16 (each compile longer: parts of it hold the GIL; docs/performance.md, Cold start)
 AHEAD_THREADS = 8
+# the most worker processes `compiles_only` ships compiles to (one per core up to it)
+AHEAD_PROCESSES = 16
 # True in a thread inside `compiles_only()` (a context variable: other threads, and the compile pool's, see False)
 _COMPILING: ContextVar[bool] = ContextVar("compiling_only", default=False)
 # the autotuned kernels `compile_candidates_ahead` hooked: their configs picked under `compiles_only` are dropped
@@ -67,6 +80,9 @@ class _Batches:
 
 _BATCHES = _Batches()
 _AHEAD = _Batches()
+_IN_WORKERS = _Batches()  # of `_AHEAD`'s kernels, those compiled in worker processes (its seconds unused)
+_WORKERS: ProcessPoolExecutor | None = None  # `start_workers`' pool, until `compiles_only` ends
+_WORKERS_LOCK = threading.Lock()
 
 
 def batches() -> tuple[int, float]:
@@ -81,6 +97,11 @@ def ahead() -> tuple[int, float]:
     return _AHEAD.totals()
 
 
+def ahead_in_workers() -> int:
+    """How many of `ahead`'s kernels were compiled in worker processes (their parent's compile a cache hit)."""
+    return _IN_WORKERS.totals()[0]
+
+
 def compiling_only() -> bool:
     """Whether the calling thread is inside `compiles_only()`: Triton kernels are compiled, not launched, and
     nothing may be timed (a benchmark returns zeros)."""
@@ -91,9 +112,10 @@ def compiling_only() -> bool:
 def compiles_only() -> Iterator[None]:
     """In the calling thread, make every Triton kernel call a warm-up whose compile goes to one pool of
     `AHEAD_THREADS` threads at most (a failed one is left for its later launch to meet), an autotuned kernel submitting
-    all its candidates for a new key; leaving waits for the pool, drops the autotune configs picked meanwhile
-    (untimed) and adds the batch to `ahead`. Outputs of the kernels are left unwritten. No change where Triton
-    lacks `AsyncCompileMode`, or interprets kernels."""
+    all its candidates for a new key; a compile that can be shipped runs first in a worker process (`_ShippedFirst`).
+    Leaving waits for the pool, stops the worker processes, drops the autotune configs picked meanwhile (untimed)
+    and adds the batch to `ahead`. Outputs of the kernels are left unwritten. No change where Triton lacks
+    `AsyncCompileMode`, or interprets kernels."""
     if AsyncCompileMode is None or knobs.runtime.interpret:
         yield
         return
@@ -103,17 +125,127 @@ def compiles_only() -> Iterator[None]:
     flag = _COMPILING.set(True)
     try:
         with ThreadPoolExecutor(min(AHEAD_THREADS, os.cpu_count() or 1), thread_name_prefix="triton-compile") as pool, \
-                AsyncCompileMode(pool, ignore_errors=True) as mode:  # leaving it waits for every compile
+                AsyncCompileMode(_ShippedFirst(pool), ignore_errors=True) as mode:  # leaving waits for each compile
             try:
                 yield
             finally:
                 submitted = list(mode.future_kernels.values())
     finally:
         _COMPILING.reset(flag)
+        stop_workers()
         for kernel, keys in known.items():
             for key in set(kernel.cache) - keys:
                 kernel.cache.pop(key, None)
     _AHEAD.add(sum(future.kernel is not None for future in submitted), time.perf_counter() - started)
+
+
+def start_workers() -> None:
+    """Start `compiles_only`'s worker processes now (`min(os.cpu_count(), AHEAD_PROCESSES)`, spawned), each
+    importing what a compile needs, so that their start overlaps other work; again: no change. Where this is not
+    called, they start at the first compile shipped to them."""
+    _workers(warm=True)
+
+
+def stop_workers() -> None:
+    """Stop the worker processes (they finish what they run; no change where none run)."""
+    global _WORKERS
+    with _WORKERS_LOCK:
+        workers, _WORKERS = _WORKERS, None
+    if workers is not None:
+        workers.shutdown(wait=False, cancel_futures=True)
+
+
+def _workers(warm: bool) -> ProcessPoolExecutor:
+    """The pool of worker processes, started if needed (with `warm`, a start-up job per process: each spawns)."""
+    global _WORKERS
+    with _WORKERS_LOCK:
+        if _WORKERS is None:
+            size = min(os.cpu_count() or 1, AHEAD_PROCESSES)
+            # spawned, never forked: the parent has CUDA initialised
+            _WORKERS = ProcessPoolExecutor(size, mp_context=multiprocessing.get_context("spawn"))
+            for _ in range(size if warm else 0):
+                _WORKERS.submit(_import_compiler)
+        return _WORKERS
+
+
+def _import_compiler() -> None:
+    """A worker's start-up job: import Triton's compiler and torch (which the kernels' modules import)."""
+    importlib.import_module("triton.compiler")
+    importlib.import_module("torch")
+
+
+class _ShippedFirst(Executor):
+    """`AsyncCompileMode`'s executor under `compiles_only`: a submitted compile (Triton's `async_compile` closure)
+    runs on `threads`, after the same compile ran in a worker process where it can be shipped there (`_payload`),
+    so that it loads what the worker wrote to the disk cache."""
+
+    def __init__(self, threads: ThreadPoolExecutor) -> None:
+        self.threads = threads
+
+    def submit(self, compile_fn: Callable[[], Any], /, *args: Any, **kwargs: Any) -> Future:
+        payload = _payload(compile_fn)
+        shipped = None if payload is None else _workers(warm=False).submit(_compile_in_worker, payload)
+        return self.threads.submit(_after_worker, shipped, compile_fn)
+
+
+def _after_worker(shipped: Future | None, compile_fn: Callable[[], Any]) -> Any:
+    """`compile_fn()` once the worker's compile `shipped` ended (a failed one leaves the compile to it)."""
+    if shipped is not None:
+        try:
+            shipped.result()
+            _IN_WORKERS.add(1, 0.0)
+        except Exception:  # noqa: BLE001 - compiled here instead; a real error of the kernel is met here again
+            pass
+    return compile_fn()
+
+
+class _ByReference(pickle.Pickler):
+    """Pickles a `JITFunction` (the kernel, or a constexpr argument that is one) as its module and qualified name."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if isinstance(obj, JITFunction):
+            name = (obj.fn.__module__, obj.fn.__qualname__)
+            if name[0] == "__main__" or _resolve(*name) is not obj:
+                raise pickle.PicklingError(f"{obj} cannot be imported by its name")
+            return _resolve, name
+        return NotImplemented
+
+
+def _payload(compile_fn: Callable[[], Any]) -> bytes | None:
+    """What a worker needs to run the compile of Triton's `async_compile` closure `compile_fn` (`JITFunction
+    ._do_compile`'s: its cells `src`, `target`, `options`, `env_vars`) with Triton's cache folder, pickled; None
+    where it cannot be."""
+    cells = dict(zip(compile_fn.__code__.co_freevars, (cell.cell_contents for cell in compile_fn.__closure__ or ())))
+    try:
+        src = cells["src"]
+        job = (knobs.cache.dir, src.fn, src.signature, src.constants, src.attrs, cells["target"],
+               cells["options"].__dict__, cells["env_vars"])
+        buffer = io.BytesIO()
+        _ByReference(buffer).dump(job)
+    except Exception:  # noqa: BLE001 - not shippable (another Triton's closure, a local kernel): compiled here
+        return None
+    return buffer.getvalue()
+
+
+def _resolve(module: str, qualname: str) -> Any:
+    """The `JITFunction` named by `module` and `qualname` (under its `triton.autotune`/`heuristics` wrappers), or
+    whatever that name holds where it is not one."""
+    found: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    while not isinstance(found, JITFunction) and getattr(found, "fn", None) is not None:
+        found = found.fn
+    return found
+
+
+def _compile_in_worker(payload: bytes) -> None:
+    """In a worker process: run the compile `payload` (`_payload`) into Triton's disk cache."""
+    import triton.compiler
+
+    cache_dir, fn, signature, constexprs, attrs, target, options, env_vars = pickle.loads(payload)
+    os.environ["TRITON_CACHE_DIR"] = cache_dir  # the parent's, wherever it was when this process started
+    source = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
+    triton.compiler.compile(source, target=target, options=options, _env_vars=env_vars)
 
 
 @functools.cache
