@@ -37,6 +37,7 @@ from .engine.progress import phase, thread_disk_reads
 from .engine.read_ahead import read_ahead
 from .llm.generate import SamplingParams
 from .llm.lora_layers import LoraBank
+from .llm.parallel_compile import start_workers, stop_workers
 from .lora import LoraError, plan_lora, read_adapter, read_adapters
 from .media_safety import MediaPolicy
 from .models import get_model_type
@@ -200,6 +201,8 @@ class TensorRTMMExporter(ITritonDeployable):
         size = engine_tensor_parallel_size(manifest)
         if size > 1 and self.kv_cache.dtype == "fp8":
             raise ValueError("kv_cache_dtype fp8 is not served with tensor_parallel_size > 1; use kv_cache_dtype auto")
+        if kernels is not None and size == 1 and not kernels.saved():
+            start_workers()  # a first start compiles its kernels ahead in worker processes: they start meanwhile
         with phase("load the engine"):
             if size > 1:  # the other ranks load their parts meanwhile
                 self.ranks = Ranks(self.model_dir, size, self.device, manifest["dtype"])
@@ -209,6 +212,7 @@ class TensorRTMMExporter(ITritonDeployable):
                                           verify=self.verify_engine, lora=self.lora,
                                           weights_in_background=self.kv_cache.dtype != "fp8")
             except BaseException:
+                stop_workers()
                 self.close()
                 raise
             self.engine.decoder.tp = None if self.ranks is None else self.ranks.tp
@@ -237,6 +241,7 @@ class TensorRTMMExporter(ITritonDeployable):
             hit = restored is not None and restored.reason == "hit"
             self.pipeline = Pipeline(self.engine, kv_cache=self.kv_cache, max_num_tokens=self.max_num_tokens,
                                      compile_kernels_ahead=not hit)
+            stop_workers()  # where the pass did not run (it stops them itself)
             scheduler = self.pipeline.scheduler
             stats = scheduler.capture_stats
             parts = {"pipeline built": self.pipeline.build_s, "captures": stats.get("before_s", 0.0)}
