@@ -142,8 +142,9 @@ def compiles_only() -> Iterator[None]:
 def start_workers() -> None:
     """Start `compiles_only`'s worker processes now (`min(os.cpu_count(), AHEAD_PROCESSES)`, spawned), each
     importing what a compile needs, so that their start overlaps other work; again: no change. Where this is not
-    called, they start at the first compile shipped to them."""
-    _workers(warm=True)
+    called, they start at the first compile shipped to them. None where `compiles_only` changes nothing."""
+    if AsyncCompileMode is not None and not knobs.runtime.interpret:
+        _workers(warm=True)
 
 
 def stop_workers() -> None:
