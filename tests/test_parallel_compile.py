@@ -3,7 +3,9 @@
 The kernels are really compiled, for the H100 (sm_90) without a GPU: in a child pytest without the interpreter,
 with Triton's active driver replaced by one that names that target and launches nothing, and each autotuned kernel
 timed by a fake benchmark that notes how many compiles had finished when each candidate's timing began. Triton's
-`compile` is wrapped to note the threads that ran it and how many ran at once.
+`compile` is wrapped to note the threads that ran it and how many ran at once (in this process: a compile in a
+worker process of `compiles_only` shows as the parent's compile finding its kernel in the test's own, empty, disk
+cache).
 """
 
 from __future__ import annotations
@@ -49,10 +51,23 @@ def _double(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _scale(x_ptr, y_ptr, N, FACTOR: tl.constexpr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < N) * FACTOR, mask=offsets < N)
+
+
+@triton.jit
 def _triple(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
     """A kernel a worker process can import by its name (`_double` is jitted inside the tests)."""
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=offsets < N) * 3, mask=offsets < N)
+    _scale(x_ptr, y_ptr, N, 3, BLOCK)
+
+
+@triton.autotune([triton.Config({"BLOCK": block}, num_warps=4) for block in BLOCKS], key=["N"],
+                 do_bench=gemv.time_candidate)
+@triton.jit
+def _triple_tuned(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    """`_triple` autotuned: a worker process finds its kernel under the autotuner its name holds."""
+    _scale(x_ptr, y_ptr, N, 3, BLOCK)
 
 
 class NoLaunch(RuntimeError):
@@ -316,10 +331,15 @@ def test_the_representative_call_of_a_kind_runs_under_compiles_only_and_is_recor
     assert ran == ["ahead", "timed"] and paged_triton.tuned_kinds() == [repr(("ahead test",))]
 
 
+def forget_compiled(kernel, monkeypatch) -> None:
+    """Leave the module-level `kernel` without the kernels compiled in this process (for this test)."""
+    monkeypatch.setattr(kernel, "device_caches", type(kernel.device_caches)(kernel.device_caches.default_factory))
+
+
 @pytest.fixture
 def triple(compiles, monkeypatch) -> Callable[[], object]:
     """`_triple` with nothing compiled in this process; calling the result launches it (the compiled kernel)."""
-    monkeypatch.setattr(_triple, "device_caches", type(_triple.device_caches)(_triple.device_caches.default_factory))
+    forget_compiled(_triple, monkeypatch)
     return lambda: launch(_triple)
 
 
@@ -339,7 +359,7 @@ def test_compiles_only_compiles_an_importable_kernel_in_a_worker_process_and_loa
     assert re.search(r"compiled ahead: 1 kernels in one batch \([0-9.]+ s wall, 1 in worker processes\)",
                      kernel_cache.compile_summary())
     shipped = compiled_triple()
-    monkeypatch.setattr(_triple, "device_caches", type(_triple.device_caches)(_triple.device_caches.default_factory))
+    forget_compiled(_triple, monkeypatch)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "parent"))
     with pytest.raises(NoLaunch):
         triple()  # compiled here, from nothing
@@ -366,3 +386,14 @@ def test_a_compile_that_fails_in_its_worker_is_compiled_in_the_parent(triple, co
     with pytest.raises(NoLaunch):
         triple()  # compiled before: launched now
     assert compiles.finished == 1
+
+
+def test_an_autotuned_kernel_s_candidates_compile_in_worker_processes(timed, monkeypatch):
+    forget_compiled(_triple_tuned.fn, monkeypatch)
+    monkeypatch.setattr(_triple_tuned, "prune_configs", _triple_tuned.prune_configs)  # undone after the test
+    kernel = gemv.register_tuned("triple", _triple_tuned)
+    with parallel_compile.compiles_only():
+        launch(kernel)
+    assert parallel_compile.ahead()[0] == parallel_compile.ahead_in_workers() == len(BLOCKS)
+    assert timed.finished == kernel_cache._COMPILES.cached == len(BLOCKS)  # each from the disk cache
+    assert timed.at_timings == [] and kernel.cache == {}
