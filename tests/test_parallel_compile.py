@@ -277,8 +277,8 @@ def test_compiles_only_compiles_every_kernel_and_key_in_one_batch_launching_and_
     assert (product, sorted(ran), gemv.chosen(("ahead test",))) == (1, ["a", "b"], None)
     assert parallel_compile.ahead()[0] == total and parallel_compile.batches() == (0, 0.0)
     assert re.fullmatch(rf"Triton: {total} kernels in [0-9.]+ s, 0 from the compile cache, compiled ahead: "
-                        rf"{total} kernels in one batch \([0-9.]+ s wall, 0 in worker processes\), 0 in parallel batches "
-                        r"\(0.00 s wall\)",
+                        rf"{total} kernels in one batch \([0-9.]+ s wall, 0 in worker processes: 0.00 s there\), 0 in "
+                        r"parallel batches \(0.00 s wall\)",
                         kernel_cache.compile_summary())
     with pytest.raises(NoLaunch):  # launched now, compiled before
         launch(plain)
@@ -355,9 +355,9 @@ def test_compiles_only_compiles_an_importable_kernel_in_a_worker_process_and_loa
         triple()
     # the cache folder is this test's own: the parent's one compile found the kernel there, written by a worker
     assert compiles.finished == 1 and kernel_cache._COMPILES.cached == 1
-    assert parallel_compile.ahead()[0] == 1 and parallel_compile.ahead_in_workers() == 1
-    assert re.search(r"compiled ahead: 1 kernels in one batch \([0-9.]+ s wall, 1 in worker processes\)",
-                     kernel_cache.compile_summary())
+    assert parallel_compile.ahead()[0] == 1 and parallel_compile.ahead_in_workers()[0] == 1
+    assert re.search(r"compiled ahead: 1 kernels in one batch \([0-9.]+ s wall, 1 in worker processes: "
+                     r"[0-9.]+ s there\)", kernel_cache.compile_summary())
     shipped = compiled_triple()
     forget_compiled(_triple, monkeypatch)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "parent"))
@@ -373,7 +373,7 @@ def test_a_kernel_a_worker_cannot_import_is_compiled_in_the_parent_without_start
     with parallel_compile.compiles_only():
         launch(triton.jit(_double))  # not reachable by its name: `_double` is the plain function
     assert compiles.finished == 1 and kernel_cache._COMPILES.cached == 0
-    assert parallel_compile.ahead()[0] == 1 and parallel_compile.ahead_in_workers() == 0
+    assert parallel_compile.ahead()[0] == 1 and parallel_compile.ahead_in_workers()[0] == 0
 
 
 def test_a_compile_that_fails_in_its_worker_is_compiled_in_the_parent(triple, compiles, monkeypatch):
@@ -382,7 +382,7 @@ def test_a_compile_that_fails_in_its_worker_is_compiled_in_the_parent(triple, co
     with parallel_compile.compiles_only():
         triple()
     assert compiles.finished == 1 and kernel_cache._COMPILES.cached == 0  # compiled here, not found on the disk
-    assert parallel_compile.ahead()[0] == 1 and parallel_compile.ahead_in_workers() == 0
+    assert parallel_compile.ahead()[0] == 1 and parallel_compile.ahead_in_workers()[0] == 0
     with pytest.raises(NoLaunch):
         triple()  # compiled before: launched now
     assert compiles.finished == 1
@@ -394,6 +394,6 @@ def test_an_autotuned_kernel_s_candidates_compile_in_worker_processes(timed, mon
     kernel = gemv.register_tuned("triple", _triple_tuned)
     with parallel_compile.compiles_only():
         launch(kernel)
-    assert parallel_compile.ahead()[0] == parallel_compile.ahead_in_workers() == len(BLOCKS)
+    assert parallel_compile.ahead()[0] == parallel_compile.ahead_in_workers()[0] == len(BLOCKS)
     assert timed.finished == kernel_cache._COMPILES.cached == len(BLOCKS)  # each from the disk cache
     assert timed.at_timings == [] and kernel.cache == {}

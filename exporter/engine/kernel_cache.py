@@ -182,7 +182,7 @@ def compile_summary() -> str:
     """Triton's compiles in this process since `count_compiles` (`KernelCache.use_compile_dirs` calls it), for a
     phase line: kernels, seconds and how many came from the compile cache ("" where nothing was compiled), and how
     many of them were compiled ahead in one batch (`parallel_compile.compiles_only`, where it ran; how many of
-    those in its worker processes) and how many
+    those in its worker processes, with their compile seconds there: here each is a cache hit) and how many
     were autotuned candidates compiled in later parallel batches (`parallel_compile`), with the batches' wall
     time; the others compiled one by one at their first call. A kernel from the cache costs milliseconds (its
     binary loaded); one compiled, about a second; the seconds add up each kernel's compile, so parallel ones count
@@ -191,8 +191,9 @@ def compile_summary() -> str:
         return ""
     batched, wall = parallel_compile.batches()
     ahead, ahead_wall = parallel_compile.ahead()
-    ahead_part = (f"compiled ahead: {ahead} kernels in one batch ({ahead_wall:.2f} s wall, "
-                  f"{parallel_compile.ahead_in_workers()} in worker processes), ") if ahead_wall else ""
+    in_workers, worker_seconds = parallel_compile.ahead_in_workers()
+    ahead_part = (f"compiled ahead: {ahead} kernels in one batch ({ahead_wall:.2f} s wall, {in_workers} in worker "
+                  f"processes: {worker_seconds:.2f} s there), ") if ahead_wall else ""
     return (f"Triton: {_COMPILES.kernels} kernels in {_COMPILES.seconds:.2f} s, {_COMPILES.cached} from the "
             f"compile cache, {ahead_part}{batched} in parallel batches ({wall:.2f} s wall)")
 

@@ -80,7 +80,7 @@ class _Batches:
 
 _BATCHES = _Batches()
 _AHEAD = _Batches()
-_IN_WORKERS = _Batches()  # of `_AHEAD`'s kernels, those compiled in worker processes (its seconds unused)
+_IN_WORKERS = _Batches()  # of `_AHEAD`'s kernels, those compiled in worker processes, and their compile seconds
 _WORKERS: ProcessPoolExecutor | None = None  # `start_workers`' pool, until `compiles_only` ends
 _WORKERS_LOCK = threading.Lock()
 
@@ -97,9 +97,10 @@ def ahead() -> tuple[int, float]:
     return _AHEAD.totals()
 
 
-def ahead_in_workers() -> int:
-    """How many of `ahead`'s kernels were compiled in worker processes (their parent's compile a cache hit)."""
-    return _IN_WORKERS.totals()[0]
+def ahead_in_workers() -> tuple[int, float]:
+    """`(kernels, seconds)`: those of `ahead`'s kernels compiled in worker processes (the parent's compile of each
+    a disk-cache hit), and the seconds their compiles took there, added up."""
+    return _IN_WORKERS.totals()
 
 
 def compiling_only() -> bool:
@@ -193,8 +194,7 @@ def _after_worker(shipped: Future | None, compile_fn: Callable[[], Any]) -> Any:
     """`compile_fn()` once the worker's compile `shipped` ended (a failed one leaves the compile to it)."""
     if shipped is not None:
         try:
-            shipped.result()
-            _IN_WORKERS.add(1, 0.0)
+            _IN_WORKERS.add(1, shipped.result())
         except Exception:  # noqa: BLE001 - compiled here instead; a real error of the kernel is met here again
             pass
     return compile_fn()
@@ -239,14 +239,16 @@ def _resolve(module: str, qualname: str) -> Any:
     return found
 
 
-def _compile_in_worker(payload: bytes) -> None:
-    """In a worker process: run the compile `payload` (`_payload`) into Triton's disk cache."""
+def _compile_in_worker(payload: bytes) -> float:
+    """In a worker process: run the compile `payload` (`_payload`) into Triton's disk cache; returns its seconds."""
     import triton.compiler
 
+    started = time.perf_counter()
     cache_dir, fn, signature, constexprs, attrs, target, options, env_vars = pickle.loads(payload)
     os.environ["TRITON_CACHE_DIR"] = cache_dir  # the parent's, wherever it was when this process started
     source = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
     triton.compiler.compile(source, target=target, options=options, _env_vars=env_vars)
+    return time.perf_counter() - started
 
 
 @functools.cache
