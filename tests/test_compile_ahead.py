@@ -100,3 +100,35 @@ def test_a_start_with_its_kernels_cached_compiles_nothing_ahead(monkeypatch, res
     kernels = None if restored is None else SimpleNamespace(restore=lambda: restored, save=lambda: True)
     exporter._warm_up(kernels)
     assert built["compile_kernels_ahead"] is ahead
+
+
+class LoadStopped(Exception):
+    """What the patched `load_engine` raises: the test looks no further."""
+
+
+@pytest.mark.parametrize("saved, size, started", [(False, 1, True), (True, 1, False), (False, 2, False)])
+def test_a_first_start_starts_the_compile_workers_before_the_engine_loads(monkeypatch, tmp_path, saved, size,
+                                                                            started):
+    """Their start (spawned interpreters importing torch and Triton) overlaps the load; a start whose kernel cache
+    has choices (nothing compiled ahead) or one with several ranks (no pass) starts none."""
+    calls = []
+
+    def load(*args, **kwargs):
+        calls.append("load")
+        raise LoadStopped
+
+    kernels = SimpleNamespace(use_compile_dirs=lambda: calls.append("compile dirs"), saved=lambda: saved)
+    monkeypatch.setattr(tensorrt_mm_exporter, "read_manifest", lambda model_dir: {
+        "modality": "vision", "tensor_parallel_size": size, "dtype": "float16"})
+    monkeypatch.setattr(tensorrt_mm_exporter.KernelCache, "for_device", lambda model_dir, device: kernels)
+    monkeypatch.setattr(tensorrt_mm_exporter, "Ranks", lambda *args: SimpleNamespace(stop=lambda: None))
+    monkeypatch.setattr(tensorrt_mm_exporter, "load_engine", load)
+    monkeypatch.setattr(tensorrt_mm_exporter, "start_workers", lambda: calls.append("start workers"))
+    monkeypatch.setattr(tensorrt_mm_exporter, "stop_workers", lambda: calls.append("stop workers"))
+    exporter = TensorRTMMExporter.__new__(TensorRTMMExporter)
+    exporter.model_dir, exporter.modality, exporter.device = tmp_path, "vision", "cuda:0"
+    exporter.kv_cache, exporter.pipeline, exporter.ranks = SimpleNamespace(dtype="auto"), None, None
+    exporter.media_policy = exporter.verify_engine = exporter.lora = None
+    with pytest.raises(LoadStopped):
+        exporter._load()
+    assert calls == ["compile dirs", *(["start workers"] if started else []), "load", "stop workers"]
