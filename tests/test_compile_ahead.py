@@ -109,7 +109,7 @@ class LoadStopped(Exception):
 @pytest.mark.parametrize("saved, size, started", [(False, 1, True), (True, 1, False), (False, 2, False)])
 def test_a_first_start_starts_the_compile_workers_before_the_engine_loads(monkeypatch, tmp_path, saved, size,
                                                                             started):
-    """Their start (spawned interpreters importing torch and Triton) overlaps the load; a start whose kernel cache
+    """Their start (worker interpreters importing torch and Triton) overlaps the load; a start whose kernel cache
     has choices (nothing compiled ahead) or one with several ranks (no pass) starts none."""
     calls = []
 

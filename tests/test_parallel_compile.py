@@ -13,10 +13,14 @@ from __future__ import annotations
 import ast
 import os
 import re
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -369,7 +373,7 @@ def test_compiles_only_compiles_an_importable_kernel_in_a_worker_process_and_loa
 
 
 def test_a_kernel_a_worker_cannot_import_is_compiled_in_the_parent_without_starting_workers(compiles, monkeypatch):
-    monkeypatch.setattr(parallel_compile, "_workers", lambda warm: pytest.fail("worker processes started"))
+    monkeypatch.setattr(parallel_compile, "_workers", lambda: pytest.fail("worker processes started"))
     with parallel_compile.compiles_only():
         launch(triton.jit(_double))  # not reachable by its name: `_double` is the plain function
     assert compiles.finished == 1 and kernel_cache._COMPILES.cached == 0
@@ -388,6 +392,19 @@ def test_a_compile_that_fails_in_its_worker_is_compiled_in_the_parent(triple, co
     assert compiles.finished == 1
 
 
+def test_a_compile_whose_worker_died_is_compiled_in_the_parent_and_the_worker_dropped(triple, compiles, monkeypatch):
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
+    workers = parallel_compile._workers()
+    workers.starter.join()
+    (worker,) = workers.processes
+    worker.kill()
+    worker.wait()
+    with parallel_compile.compiles_only():
+        triple()
+    assert compiles.finished == 1 and kernel_cache._COMPILES.cached == 0 and workers.alive == 0
+    assert parallel_compile.ahead()[0] == 1 and parallel_compile.ahead_in_workers()[0] == 0
+
+
 def test_an_autotuned_kernel_s_candidates_compile_in_worker_processes(timed, monkeypatch):
     forget_compiled(_triple_tuned.fn, monkeypatch)
     monkeypatch.setattr(_triple_tuned, "prune_configs", _triple_tuned.prune_configs)  # undone after the test
@@ -397,3 +414,34 @@ def test_an_autotuned_kernel_s_candidates_compile_in_worker_processes(timed, mon
     assert parallel_compile.ahead()[0] == parallel_compile.ahead_in_workers()[0] == len(BLOCKS)
     assert timed.finished == kernel_cache._COMPILES.cached == len(BLOCKS)  # each from the disk cache
     assert timed.at_timings == [] and kernel.cache == {}
+
+
+USER_SCRIPT = """
+    import sys
+    with open(sys.argv[1], "a") as runs:  # top-level code, no `if __name__ == "__main__":`
+        runs.write("ran\\n")
+    from triton.runtime.driver import driver
+    import test_parallel_compile as tests
+    from exporter.llm import parallel_compile
+    driver._active = tests.SM90Driver()
+    parallel_compile.start_workers()
+    with parallel_compile.compiles_only():
+        tests.launch(tests._triple)
+    print("in workers:", parallel_compile.ahead_in_workers()[0])
+"""
+
+
+def test_a_user_script_without_a_main_guard_runs_once_while_its_kernel_compiles_in_a_worker(tmp_path):
+    if CHILD:
+        pytest.skip("runs in the parent pytest")
+    script, runs = tmp_path / "user_script.py", tmp_path / "runs.txt"
+    script.write_text(textwrap.dedent(USER_SCRIPT))
+    tests = Path(__file__).resolve().parent
+    environment = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, (tests, tests.parent))),
+                   "TRITON_CACHE_DIR": str(tmp_path / "cache")}
+    environment.pop("TRITON_INTERPRET", None)
+    user = subprocess.run([sys.executable, str(script), str(runs)], env=environment, capture_output=True, text=True,
+                          timeout=300)
+    assert user.returncode == 0, user.stderr[-3000:]
+    assert runs.read_text() == "ran\n"  # the workers did not run the script again
+    assert "in workers: 1" in user.stdout, user.stdout + user.stderr[-3000:]

@@ -18,10 +18,12 @@ when the context is left, which waits for the pool once. The eager steps after i
 memory. `ahead` tells what that batch did.
 
 Most of a compile holds the GIL (Triton's Python frontend, the MLIR passes' bindings), so threads of one process
-barely scale past a few. Under `compiles_only()` each submitted compile of a kernel that spawned worker processes
-can import again (a `JITFunction` reachable from its module by its qualified name, its arguments picklable) first
-runs in one of them (`start_workers`), which writes Triton's disk cache; the pool's thread then runs Triton's own
-compile, now a disk-cache hit. A kernel that cannot be shipped, or whose worker compile fails, is compiled by the
+barely scale past a few. Under `compiles_only()` each submitted compile of a kernel that worker processes can import
+again (a `JITFunction` reachable from its module by its qualified name, its arguments picklable) first runs in one
+of them (`start_workers`), which writes Triton's disk cache; the pool's thread then runs Triton's own compile, now a
+disk-cache hit. The workers are plain subprocesses running `exporter.llm.compile_worker`, not `multiprocessing`'s
+spawned children, which would import the user's main script again (a script without a `__main__` guard would load
+the engine once per worker). A kernel that cannot be shipped, or whose worker compile fails, is compiled by the
 thread itself: the parent builds or loads every kernel it runs in all cases.
 """
 
@@ -30,17 +32,19 @@ from __future__ import annotations
 import functools
 import importlib
 import io
-import multiprocessing
 import os
 import pickle
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .compile_worker import WorkerPool
 
 try:
     from triton import knobs
@@ -81,7 +85,7 @@ class _Batches:
 _BATCHES = _Batches()
 _AHEAD = _Batches()
 _IN_WORKERS = _Batches()  # of `_AHEAD`'s kernels, those compiled in worker processes, and their compile seconds
-_WORKERS: ProcessPoolExecutor | None = None  # `start_workers`' pool, until `compiles_only` ends
+_WORKERS: WorkerPool | None = None  # `start_workers`' pool, until `compiles_only` ends
 _WORKERS_LOCK = threading.Lock()
 
 
@@ -141,39 +145,32 @@ def compiles_only() -> Iterator[None]:
 
 
 def start_workers() -> None:
-    """Start `compiles_only`'s worker processes now (`min(os.cpu_count(), AHEAD_PROCESSES)`, spawned), each
-    importing what a compile needs, so that their start overlaps other work; again: no change. Where this is not
-    called, they start at the first compile shipped to them. None where `compiles_only` changes nothing."""
+    """Start `compiles_only`'s worker processes now (`min(os.cpu_count(), AHEAD_PROCESSES)`), in the background,
+    each importing what a compile needs, so that their start overlaps other work; again: no change. Where this is
+    not called, they start at the first compile shipped to them. None where `compiles_only` changes nothing."""
     if AsyncCompileMode is not None and not knobs.runtime.interpret:
-        _workers(warm=True)
+        _workers()
 
 
 def stop_workers() -> None:
-    """Stop the worker processes (they finish what they run; no change where none run)."""
+    """Stop the worker processes (`WorkerPool.stop`; no change where none run)."""
     global _WORKERS
     with _WORKERS_LOCK:
         workers, _WORKERS = _WORKERS, None
     if workers is not None:
-        workers.shutdown(wait=False, cancel_futures=True)
+        workers.stop()
 
 
-def _workers(warm: bool) -> ProcessPoolExecutor:
-    """The pool of worker processes, started if needed (with `warm`, a start-up job per process: each spawns)."""
+def _workers() -> WorkerPool:
+    """The pool of worker processes, started if needed."""
+    # imported here: `python -m exporter.llm.compile_worker` imports this package first, which must not hold it yet
+    from .compile_worker import WorkerPool
+
     global _WORKERS
     with _WORKERS_LOCK:
         if _WORKERS is None:
-            size = min(os.cpu_count() or 1, AHEAD_PROCESSES)
-            # spawned, never forked: the parent has CUDA initialised
-            _WORKERS = ProcessPoolExecutor(size, mp_context=multiprocessing.get_context("spawn"))
-            for _ in range(size if warm else 0):
-                _WORKERS.submit(_import_compiler)
+            _WORKERS = WorkerPool(min(os.cpu_count() or 1, AHEAD_PROCESSES))
         return _WORKERS
-
-
-def _import_compiler() -> None:
-    """A worker's start-up job: import Triton's compiler and torch (which the kernels' modules import)."""
-    importlib.import_module("triton.compiler")
-    importlib.import_module("torch")
 
 
 class _ShippedFirst(Executor):
@@ -186,7 +183,7 @@ class _ShippedFirst(Executor):
 
     def submit(self, compile_fn: Callable[[], Any], /, *args: Any, **kwargs: Any) -> Future:
         payload = _payload(compile_fn)
-        shipped = None if payload is None else _workers(warm=False).submit(_compile_in_worker, payload)
+        shipped = None if payload is None else _workers().submit(payload)
         return self.threads.submit(_after_worker, shipped, compile_fn)
 
 
@@ -237,18 +234,6 @@ def _resolve(module: str, qualname: str) -> Any:
     while not isinstance(found, JITFunction) and getattr(found, "fn", None) is not None:
         found = found.fn
     return found
-
-
-def _compile_in_worker(payload: bytes) -> float:
-    """In a worker process: run the compile `payload` (`_payload`) into Triton's disk cache; returns its seconds."""
-    import triton.compiler
-
-    started = time.perf_counter()
-    cache_dir, fn, signature, constexprs, attrs, target, options, env_vars = pickle.loads(payload)
-    os.environ["TRITON_CACHE_DIR"] = cache_dir  # the parent's, wherever it was when this process started
-    source = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
-    triton.compiler.compile(source, target=target, options=options, _env_vars=env_vars)
-    return time.perf_counter() - started
 
 
 @functools.cache
