@@ -1,11 +1,12 @@
 """An autotuned Triton kernel's candidate configs compiled together, on a thread pool, before they are timed.
 
-Triton's autotuner compiles each candidate config lazily, inside its timing loop, one after another; most of a
-compile (the MLIR passes, ptxas) runs without the GIL. `compile_candidates_ahead(kernel)` makes an autotuned kernel
-that meets a new autotune key first hand the compiles of all its candidates (those left after its pruning, with
-the call's own arguments) to a thread pool through Triton's `AsyncCompileMode`, and wait for them: the timing loop
-then finds each one compiled, in memory and in Triton's disk cache. A candidate that fails to compile is left out
-of the batch; the timing loop compiles it again and meets its error as before (the autotuner skips it, or raises).
+Triton's autotuner compiles each candidate config lazily, inside its timing loop, one after another; the PTX
+assembler runs as its own process, so a few compiles overlap on threads. `compile_candidates_ahead(kernel)` makes an
+autotuned kernel that meets a new autotune key first hand the compiles of all its candidates (those left after its
+pruning, with the call's own arguments) to a thread pool through Triton's `AsyncCompileMode`, and wait for them: the
+timing loop then finds each one compiled, in memory and in Triton's disk cache. A candidate that fails to compile
+is left out of the batch; the timing loop compiles it again and meets its error as before (the autotuner skips it,
+or raises).
 A key the kernel already has a config for (timed, or seeded by the kernel cache) compiles nothing here. Where
 Triton has no `AsyncCompileMode`, and under its interpreter, candidates compile one by one in the timing loop.
 `batches` tells what the batches did, for the warm-up's log line (`kernel_cache.compile_summary`).
