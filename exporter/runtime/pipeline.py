@@ -78,9 +78,10 @@ class Pipeline:
     never fails the others. ``stream`` yields one request's text as it is generated. Media already encoded are
     taken from ``feature_cache``. ``kv_cache``, ``max_num_tokens`` and ``compile_kernels_ahead`` configure the
     scheduler's KV cache, chunked prefill and first compiles (see :class:`Scheduler`); a prompt that starts like an
-    earlier one (same token ids, same media by content) reuses its cached blocks. Each function in ``submitted`` is called with every request's scheduler
-    handle as it is submitted (the server's metrics time requests by them). ``on_phase``, when set, is called
-    with each host phase of a batch's preparation and its seconds (one of ``PHASES``; the benches' TTFT breakdown).
+    earlier one (same token ids, same media by content) reuses its cached blocks. Each function in ``submitted`` is
+    called with every request's scheduler handle as it is submitted (the server's metrics time requests by them).
+    ``on_phase``, when set, is called with each host phase of a batch's preparation and its seconds (one of
+    ``PHASES``; the benches' TTFT breakdown).
     """
 
     def __init__(self, engine: Engine, feature_cache: FeatureCache | None = None,
