@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
     ("quant_kernel_probe.py", [], "quant_kernel_probe.json", "quantized kernel probe"),  # Triton's interpreter
     ("paged_bench.py", [], "paged_bench.json", "concurrent requests"),
     ("fused_bench.py", [], "fused_bench.json", "a decode step"),  # Triton's interpreter
+    ("skinny_probe.py", [], "skinny_probe.json", "rows: cuBLAS"),  # Triton's interpreter
     ("late_reads.py", [], "late_reads.json", "read after the stream began"),  # the demo restarted, to READY
 ])
 def test_bench_runs_at_its_tiny_shape(tmp_path, script, arguments, json_name, table_line):
