@@ -65,6 +65,7 @@ SCHEDULER_PHASES = ("admission (loop wake-up, prefix match, blocks)", "planning 
 # the static cache's numbers on the same H100 (docs/performance.md; the second question's from issue 14)
 BEFORE = {"decode_bs1_ms": 5.55, "ttft_first_ms": 17.44, "ttft_second_ms": 18.7}
 CONTEXT, NEW_TOKENS = 608, 128
+LIMIT_SWEEP = (2.0, 1.7, 1.5)  # the chunk pacer's limits the long prompt's part is run again at (CUDA)
 SIZES = {"full": dict(rows=(64, 128), concurrent=128, long=16_384, beside=16, steps=32, ttft_repeats=10),
          "tiny": dict(rows=(4, 8), concurrent=16, long=2_048, beside=4, steps=8, ttft_repeats=3)}
 
@@ -127,6 +128,8 @@ def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, m
         if kv_dtype == "auto":
             part(out, "concurrent", lambda: _concurrent(scheduler, sizes["concurrent"]))
             part(out, "long", lambda: _long_prompt(scheduler, sizes["long"], sizes["beside"]))
+            if scheduler.pacer is not None:
+                part(out, "long_limits", lambda: _limit_sweep(scheduler, sizes["long"], sizes["beside"]))
             part(out, "mixed", lambda: _mixed_steps(scheduler, sizes["long"], sizes["beside"],
                                                     scheduler.chunk_budget(decoding=True)))
             if paged_triton.available() and scheduler.model.device.type == "cuda":
@@ -248,6 +251,24 @@ def _long_prompt(scheduler: Scheduler, length: int, beside: int) -> dict:
             "long_rows_during_p50_ms": _percentile(during_gaps, 50),
             "long_rows_during_p99_ms": _percentile(during_gaps, 99),
             "long_ttft_solo_ms": solo_ttft, "long_ttft_during_ms": during_ttft, **paced}
+
+
+def _limit_sweep(scheduler: Scheduler, length: int, beside: int) -> dict:
+    """The long prompt's part again with the chunk pacer held to each of `LIMIT_SWEEP` (a mixed step's most times
+    the rows' own): its trade-off between the rows' per-token p99 and the prompt's TTFT, beside the default's."""
+    pacer, measured = scheduler.pacer, {}
+    default = pacer.limit
+    try:
+        for limit in LIMIT_SWEEP:
+            pacer.limit = limit
+            run = _long_prompt(scheduler, length, beside)
+            measured[str(limit)] = {
+                "p99_ratio": run["long_rows_during_p99_ms"] / run["long_rows_solo_p99_ms"],
+                "ttft_ratio": run["long_ttft_during_ms"] / run["long_ttft_solo_ms"],
+                "steps_beside": run.get("long_steps_beside"), **run}
+    finally:
+        pacer.limit = default
+    return {"long_at_limits": measured}
 
 
 def _mixed_steps(scheduler: Scheduler, length: int, beside: int, chunk: int) -> dict:
@@ -497,6 +518,9 @@ def report(result: dict) -> str:
         rows.append(f"{result['long_len']}-position prompt TTFT ms: alone {value('long_ttft_solo_ms', 1)}, while "
                     f"{result['long_beside_rows']} rows decode {value('long_ttft_during_ms', 1)} (x"
                     f"{result['long_ttft_during_ms'] / result['long_ttft_solo_ms']:.2f}, target <= 1.3)")
+        for limit, run in result.get("long_at_limits", {}).items():
+            rows.append(f"  with a mixed step held to x{limit} the rows' own: rows' p99 x{run['p99_ratio']:.2f}, "
+                        f"prompt TTFT x{run['ttft_ratio']:.2f} ({run['steps_beside']} steps beside them)")
         if "long_steps_beside" in result:
             rows.append(f"  it took {result['long_steps_beside']} steps beside them (mean chunk "
                         f"{result['long_len'] / max(result['long_steps_beside'], 1):.0f} positions)"
