@@ -64,6 +64,12 @@ def warm_up_kernels(model_dir: Path, device: str, config: DecoderConfig, layout:
     (CUDA): its kernel cache restored first (a re-export on the same GPU reuses it), the kernels compiled into its
     folder, the GPU memory freed after; the caller saves the cache (`KernelCache.save`) once the engine is in place.
     ``layout``: the LLM weights file's tensors (meta); ``dtype``: the engine's (as a start loads it)."""
+    with torch.cuda.device(torch.device(device)):  # this thread's current device (streams, graphs): the engine's
+        return _warm_up(model_dir, device, config, layout, dtype, limits)
+
+
+def _warm_up(model_dir: Path, device: str, config: DecoderConfig, layout: dict[str, torch.Tensor],
+             dtype: torch.dtype, limits: EngineLimits) -> Warmed:
     cache = KernelCache.for_device(model_dir, device)
     chosen = cache.use_compile_dirs()  # before anything compiles (process-wide: restored below)
     decoder = scheduler = None
