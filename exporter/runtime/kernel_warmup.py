@@ -93,10 +93,15 @@ def _warm_up(model_dir: Path, device: str, config: DecoderConfig, layout: dict[s
         stop_workers()
         del scheduler, decoder
         gemv.release_timing_buffers()
-        gc.collect()  # the step graphs and their memory pool, the KV pool, the zeroed weights
-        torch.cuda.empty_cache()
+        _release_memory()  # the step graphs and their memory pool, the KV pool, the zeroed weights
         for variable in chosen:
             os.environ.pop(variable, None)
+
+
+def _release_memory() -> None:
+    """Collect what is no longer referenced (graphs hold cycles) and hand the allocator's free GPU memory back."""
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _autotuned() -> int:
@@ -115,7 +120,7 @@ class ExportKernelWarmUp:
         self.warmed: Warmed | None = None
         self._thread: threading.Thread | None = None
         self._started = self._ended = self._written = 0.0
-        self._error: BaseException | None = None
+        self._error: str | None = None
 
     def start(self, config: DecoderConfig, layout: dict[str, torch.Tensor]) -> None:
         self._started = time.perf_counter()
@@ -126,10 +131,11 @@ class ExportKernelWarmUp:
     def _run(self, config: DecoderConfig, layout: dict[str, torch.Tensor]) -> None:
         try:
             self.warmed = warm_up_kernels(self.model_dir, self.device, config, layout, self.dtype, self.limits)
-        except BaseException as error:  # noqa: BLE001 - the export goes on without the cache
-            self._error = error
-        finally:
-            self._ended = time.perf_counter()
+        except Exception as error:  # noqa: BLE001 - the export goes on without the cache
+            self._error = f"{type(error).__name__}: {error}"  # not the error: its frames hold GPU tensors
+        if self._error is not None and torch.cuda.is_available():
+            _release_memory()  # what the failed warm-up's frames held
+        self._ended = time.perf_counter()
 
     def written(self) -> None:
         self._written = time.perf_counter()
@@ -145,9 +151,9 @@ class ExportKernelWarmUp:
                 ahead = self._written - self._ended
                 took += f", ended {abs(ahead):.2f} s {'before' if ahead >= 0 else 'after'} the weights' write"
             if self._error is not None:
-                LOGGER.warning("the kernel warm-up at export failed (%s: %s); the engine is exported without its "
-                               "kernel cache: the first start warms up", type(self._error).__name__, self._error)
-                note["detail"] = f"failed: {type(self._error).__name__}; {took}"
+                LOGGER.warning("the kernel warm-up at export failed (%s); the engine is exported without its kernel "
+                               "cache: the first start warms up", self._error)
+                note["detail"] = f"failed: {self._error}; {took}"
             else:
                 note["detail"] = f"{self.warmed.describe()}; {took}"
 
