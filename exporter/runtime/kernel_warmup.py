@@ -44,8 +44,9 @@ POOL_BLOCKS = paged_triton.TUNE_MIN_BLOCKS + 8
 
 @dataclass
 class Warmed:
-    """What `warm_up_kernels` did: the cache it fills, the kernel choices and autotuned configs it added (timed),
-    and Triton's compiles (`compile_summary`)."""
+    """What `warm_up_kernels` did: the cache it fills, what `restore` found there first, the kernel choices
+    (`gemv.fastest`: timed where a key has several candidates) and autotuned configs (timed) it added, and Triton's
+    compiles in this process (`compile_summary`)."""
 
     cache: KernelCache
     restored: str
@@ -54,8 +55,8 @@ class Warmed:
     compiled: str
 
     def describe(self) -> str:
-        return (f"kernel cache {self.restored} before; {self.choices} kernel choices and {self.autotuned} autotuned "
-                f"configs timed; {self.compiled or 'nothing compiled'}")
+        return (f"kernel cache {self.restored} before; {self.choices} kernel choices made and {self.autotuned} "
+                f"autotuned configs chosen; {self.compiled or 'nothing compiled'}")
 
 
 def warm_up_kernels(model_dir: Path, device: str, config: DecoderConfig, layout: dict[str, torch.Tensor],
@@ -112,50 +113,49 @@ def _autotuned() -> int:
 class ExportKernelWarmUp:
     """`BesideLlmWrite` for an export into ``model_dir`` on a CUDA ``device``, of an engine in ``dtype`` with
     ``limits``: `warm_up_kernels` on a thread from the layout's arrival, waited for before the engine is installed,
-    its cache saved once it is; a phase line of the export's timeline says what it did and whether it ended before
-    the LLM weights' write."""
+    its cache saved once it is. Its phase line, logged by its thread, spans the warm-up itself in the export's
+    timeline and says what it did and whether it ended before the LLM weights' write; the export's wait for it,
+    where there is one, is a phase of its own."""
 
     def __init__(self, model_dir: str | Path, device: str, dtype: torch.dtype, limits: EngineLimits):
         self.model_dir, self.device, self.dtype, self.limits = Path(model_dir), device, dtype, limits
         self.warmed: Warmed | None = None
         self._thread: threading.Thread | None = None
-        self._started = self._ended = self._written = 0.0
+        self._written: float | None = None  # when the LLM weights' write ended
         self._error: str | None = None
 
     def start(self, config: DecoderConfig, layout: dict[str, torch.Tensor]) -> None:
-        self._started = time.perf_counter()
         self._thread = threading.Thread(target=self._run, args=(config, layout), name="export-kernel-warm-up",
                                         daemon=True)
         self._thread.start()
 
     def _run(self, config: DecoderConfig, layout: dict[str, torch.Tensor]) -> None:
-        try:
-            self.warmed = warm_up_kernels(self.model_dir, self.device, config, layout, self.dtype, self.limits)
-        except Exception as error:  # noqa: BLE001 - the export goes on without the cache
-            self._error = f"{type(error).__name__}: {error}"  # not the error: its frames hold GPU tensors
-        if self._error is not None and torch.cuda.is_available():
-            _release_memory()  # what the failed warm-up's frames held
-        self._ended = time.perf_counter()
+        with phase("kernel warm-up for this GPU (beside the LLM weights' write)") as note:
+            try:
+                self.warmed = warm_up_kernels(self.model_dir, self.device, config, layout, self.dtype, self.limits)
+            except Exception as error:  # noqa: BLE001 - the export goes on without the cache
+                self._error = f"{type(error).__name__}: {error}"  # not the error: its frames hold GPU tensors
+            if self._error is not None and torch.cuda.is_available():
+                _release_memory()  # what the failed warm-up's frames held
+            written = self._written
+            when = "before the weights' write ended" if written is None else \
+                f"{time.perf_counter() - written:.2f} s after the weights' write ended"
+            note["detail"] = f"{self.warmed.describe() if self._error is None else 'failed: ' + self._error}; {when}"
 
     def written(self) -> None:
         self._written = time.perf_counter()
 
     def wait(self) -> None:
-        if self._thread is None:
+        thread, self._thread = self._thread, None
+        if thread is None:
             return
-        with phase("kernel warm-up for this GPU (beside the LLM weights' write)") as note:
-            self._thread.join()
-            self._thread = None
-            took = f"took {self._ended - self._started:.2f} s"
-            if self._written:
-                ahead = self._written - self._ended
-                took += f", ended {abs(ahead):.2f} s {'before' if ahead >= 0 else 'after'} the weights' write"
-            if self._error is not None:
-                LOGGER.warning("the kernel warm-up at export failed (%s); the engine is exported without its kernel "
-                               "cache: the first start warms up", self._error)
-                note["detail"] = f"failed: {self._error}; {took}"
-            else:
-                note["detail"] = f"{self.warmed.describe()}; {took}"
+        if thread.is_alive():
+            with phase("wait for the kernel warm-up"):
+                thread.join()
+        thread.join()
+        if self._error is not None:
+            LOGGER.warning("the kernel warm-up at export failed (%s); the engine is exported without its kernel "
+                           "cache: the first start warms up", self._error)
 
     def installed(self) -> None:
         if self.warmed is not None and not self.warmed.cache.save():
