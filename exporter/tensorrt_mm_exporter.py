@@ -31,7 +31,6 @@ from wire import (
 
 from .engine import Engine, EngineLimits, LoraOptions, export_engine, load_engine, read_manifest
 from .engine.directory import tensor_parallel_size as engine_tensor_parallel_size
-from .engine.directory import torch_dtype
 from .engine.kernel_cache import KernelCache, compile_summary
 from .engine.prefetch import prefetch_engine
 from .engine.progress import phase, thread_disk_reads
@@ -449,7 +448,7 @@ def _export_warm_up(model_dir: Path, device: str, dtype: str, limits: EngineLimi
     one rank (the other ranks' kernels are their processes') and no LoRA adapters served per request (``lora``:
     their kernels depend on the adapters served at load)."""
     wanted = warm_kernels and device.startswith("cuda") and tensor_parallel_size == 1 and not lora
-    return ExportKernelWarmUp(model_dir, device, torch_dtype(dtype), limits) if wanted else None
+    return ExportKernelWarmUp(model_dir, device, dtype, limits) if wanted else None
 
 
 def _default_device() -> str:

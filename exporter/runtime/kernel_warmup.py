@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.directory import torch_dtype
 from ..engine.kernel_cache import KernelCache, compile_summary
 from ..engine.limits import EngineLimits
 from ..engine.progress import phase
@@ -111,14 +112,14 @@ def _autotuned() -> int:
 
 
 class ExportKernelWarmUp:
-    """`BesideLlmWrite` for an export into ``model_dir`` on a CUDA ``device``, of an engine in ``dtype`` with
+    """`BesideLlmWrite` for an export into ``model_dir`` on a CUDA ``device``, of an engine in ``dtype`` (its name) with
     ``limits``: `warm_up_kernels` on a thread from the layout's arrival, waited for before the engine is installed,
     its cache saved once it is. Its phase line, logged by its thread, spans the warm-up itself in the export's
     timeline and says what it did and whether it ended before the LLM weights' write; the export's wait for it,
     where there is one, is a phase of its own."""
 
-    def __init__(self, model_dir: str | Path, device: str, dtype: torch.dtype, limits: EngineLimits):
-        self.model_dir, self.device, self.dtype, self.limits = Path(model_dir), device, dtype, limits
+    def __init__(self, model_dir: str | Path, device: str, dtype: str, limits: EngineLimits):
+        self.model_dir, self.device, self.dtype, self.limits = Path(model_dir), device, torch_dtype(dtype), limits
         self.warmed: Warmed | None = None
         self._thread: threading.Thread | None = None
         self._written: float | None = None  # when the LLM weights' write ended
