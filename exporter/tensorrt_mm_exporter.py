@@ -42,6 +42,7 @@ from .lora import LoraError, plan_lora, read_adapter, read_adapters
 from .media_safety import MediaPolicy
 from .models import get_model_type
 from .runtime import Completion, Pipeline, Request
+from .runtime.kernel_warmup import ExportKernelWarmUp
 from .runtime.kv_cache import KVCacheOptions
 from .runtime.tensor_parallel import Ranks
 
@@ -132,6 +133,7 @@ class TensorRTMMExporter(ITritonDeployable):
         max_beam_width: int = 1,
         merge_lora: bool = False,
         max_loras: int | None = None,
+        warm_kernels: bool = True,
     ) -> None:
         """Write the engine directory (NeMo's arguments; the keyword-only ones are this package's).
 
@@ -156,6 +158,11 @@ class TensorRTMMExporter(ITritonDeployable):
 
         ``tensor_parallel_size`` N > 1 splits the LLM over N ranks (N GPUs, or N CPU processes): the engine holds
         one weights file per rank, and loading it starts ranks 1..N-1 beside this process (docs/serving.md).
+
+        ``warm_kernels``: on a CUDA device (this exporter's), one rank and no LoRA adapters served per request, run a
+        first start's kernel warm-up for this GPU beside the LLM weights' write and keep it in the engine's kernel
+        cache (`exporter.runtime.kernel_warmup`): the first start after the export skips it. A failed warm-up is a
+        logged warning; the engine is exported without it.
         """
         kind = get_model_type(model_type)
         if kind.modality != self.modality:
@@ -185,7 +192,9 @@ class TensorRTMMExporter(ITritonDeployable):
                       export_onnx=export_onnx, rename_keys=tuple(nemo_rename_key), audio_frontend=audio_frontend,
                       video_frame_sampling=video_frame_sampling,
                       quantization=quantization, calib_data=calib_data, device=self.device, lora=lora,
-                      merged_lora=merged, tensor_parallel_size=tensor_parallel_size)
+                      merged_lora=merged, tensor_parallel_size=tensor_parallel_size,
+                      beside=_export_warm_up(self.model_dir, self.device, dtype, limits, warm_kernels=warm_kernels,
+                                             tensor_parallel_size=tensor_parallel_size, lora=lora is not None))
         if load_model:
             self._load()
 
@@ -431,6 +440,15 @@ def _pipeline_request(row: RequestRow) -> Request:
     else:
         media = row.signal
     return Request(row.text, media, SamplingParams(**row.sampling), lora_uid=row.lora_uid)
+
+
+def _export_warm_up(model_dir: Path, device: str, dtype: str, limits: EngineLimits, *, warm_kernels: bool,
+                    tensor_parallel_size: int, lora: bool) -> ExportKernelWarmUp | None:
+    """The kernel warm-up run beside an export's LLM write, where it applies: asked (``warm_kernels``), on a GPU,
+    one rank (the other ranks' kernels are their processes') and no LoRA adapters served per request (``lora``:
+    their kernels depend on the adapters served at load)."""
+    wanted = warm_kernels and device.startswith("cuda") and tensor_parallel_size == 1 and not lora
+    return ExportKernelWarmUp(model_dir, device, dtype, limits) if wanted else None
 
 
 def _default_device() -> str:

@@ -131,7 +131,7 @@ OPTIONS: tuple[tuple[str | None, str, type, tuple | None, object, str], ...] = (
     (None, "--media_local_dir", str, None, None, "folder media file:// URLs may be read from (default: none)"),
 )
 OPTIONAL_VALUE = {"use_lora_plugin": "auto"}  # given alone, the flag takes this value
-FLAG_OPTIONS = ("streaming", "media_allow_private_networks", "merge_lora")
+FLAG_OPTIONS = ("streaming", "media_allow_private_networks", "merge_lora", "no_export_kernel_warmup")
 DEFAULTS = {long[2:]: default for _, long, _, _, default, _ in OPTIONS} | {"lora_target_modules": None}
 DEFAULTS |= {name: False for name in FLAG_OPTIONS} | {"verify_engine": None, "enable_kv_cache_reuse": True}
 
@@ -159,6 +159,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="merge the one --lora_checkpoint_path adapter into the exported weights instead of serving it per request",
+    )
+    parser.add_argument(
+        "--no_export_kernel_warmup",
+        action="store_true",
+        default=None,
+        help="on a GPU, do not run the first start's kernel warm-up at export (the engine's kernel cache is then "
+        "filled by its first start)",
     )
     parser.add_argument(
         "--streaming",
@@ -360,6 +367,7 @@ def _export_arguments(settings: argparse.Namespace) -> dict:
         "lora_checkpoint_path": settings.lora_checkpoint_path,
         "merge_lora": settings.merge_lora,
         "max_loras": settings.max_loras,
+        "warm_kernels": not settings.no_export_kernel_warmup,
     }
     for name in ("vision_tower_path", "tokenizer_path", "audio_frontend", "video_frame_sampling", "quantization",
                  "calib_data"):

@@ -1,5 +1,6 @@
 """bench/coldstart_bench.py runs end to end on the CPU at its tiny shape: a real `.nemo`, the export, both weight
-loads, a first start and a restart of deploy_triton.py with requests, and the table with the servers' phases."""
+loads, a first start, a first start without a kernel cache and a restart of deploy_triton.py with requests, and the
+table with the servers' phases."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def test_coldstart_bench_runs_and_prints_the_table(tmp_path):
     result = json.loads((tmp_path / "coldstart_bench.json").read_text())
     assert result["export_s"] > 0 and result["load_old_s"] > 0 and result["load_new_s"] > 0
     assert result["export_overlap_s"] >= 0  # the phases' spans were read (the tiny shape's may not overlap)
-    for start in ("first_start", "restart"):
+    for start in ("first_start", "first_start_no_kernel_cache", "restart"):  # after the export, without a cache
         measured = result[start]
         assert measured["ready_s"] > 0 and measured["steady_request_s"] > 0, measured
         assert "LLM weights: read + transfer" in measured["phases"] and "Triton start" in measured["phases"]
@@ -37,6 +38,7 @@ def test_coldstart_bench_runs_and_prints_the_table(tmp_path):
     assert not {"torch.utils._device", "PIL.ImageFile"} & set(late["late_modules"])  # read ahead
     assert "read ahead of the LLM weights" in result["restart"]["phases"]
     table = done.stdout
+    assert "first start no kernel cache: process start to READY s" in table
     assert "restart: process start to READY s" in table and "export: LLM write beside the perception s" in table
     assert "first / steady request: to first token " in table and "first start phases:" in table
     assert "read after the LLM weights' stream began" in table

@@ -61,7 +61,7 @@ def previous_engine(model_dir: Path, delete_existing_files: bool) -> list[str]:
 @contextlib.contextmanager
 def staging_folder(model_dir: Path) -> Iterator[Path]:
     """A new folder inside `model_dir` to build the engine in; removed on exit, with `model_dir` if this made it
-    and it is still empty."""
+    and it holds nothing else (the export failed; a kernel cache it began there is removed too)."""
     created = not model_dir.exists()
     model_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=model_dir))
@@ -71,6 +71,8 @@ def staging_folder(model_dir: Path) -> Iterator[Path]:
         shutil.rmtree(staging, ignore_errors=True)
         if created:
             with contextlib.suppress(OSError):
+                if [entry.name for entry in model_dir.iterdir()] == [CACHE_DIR]:
+                    shutil.rmtree(model_dir / CACHE_DIR)
                 model_dir.rmdir()  # only when empty: the export failed
 
 

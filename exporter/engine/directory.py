@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -76,20 +76,46 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+class BesideLlmWrite(Protocol):
+    """Work an export runs beside its LLM weights' write, from their layout (`export_engine`'s ``beside``: the
+    kernel warm-up of `exporter.runtime.kernel_warmup`). Its errors are its own: none of these raises."""
+
+    def start(self, config: DecoderConfig, layout: dict[str, torch.Tensor]) -> None:
+        """Start, once the LLM's config and its weights file's layout (meta tensors: names, shapes and the dtypes
+        written) are known, before the file is written (a tensor-parallel export does not call it)."""
+
+    def written(self) -> None:
+        """The LLM weights' file is written."""
+
+    def wait(self) -> None:
+        """Return once the work is over, whether the export goes on or failed."""
+
+    def installed(self) -> None:
+        """The engine is installed in its folder (not called when the export failed)."""
+
+
 def export_engine(model_dir: str | Path, visual_checkpoint_path: str | Path, *,
-                  delete_existing_files: bool = True, **options: Any) -> dict[str, Any]:
+                  delete_existing_files: bool = True, beside: BesideLlmWrite | None = None,
+                  **options: Any) -> dict[str, Any]:
     """Read the checkpoint(s), build perception and LLM, write the engine directory; return the manifest.
 
     Atomic (`exporter.engine.atomic`): the engine is built and validated beside the previous one, which it then
-    replaces; a failure leaves `model_dir` as it was. `options` are `_write_engine`'s.
+    replaces; a failure leaves `model_dir` as it was. ``beside``: work started beside the LLM weights' write,
+    waited for before the engine is installed (or the export fails). `options` are `_write_engine`'s.
     """
     model_dir = Path(model_dir)
     previous = previous_engine(model_dir, delete_existing_files)
     with staging_folder(model_dir) as staging, timeline("the export"):
-        manifest = _write_engine(staging, visual_checkpoint_path, **options)
-        check_files(staging, manifest, verify=False)  # every file listed, of its size, safetensors readable
-        mark_verified(staging, manifest["files"])  # the hashes were just taken from these files
+        try:
+            manifest = _write_engine(staging, visual_checkpoint_path, beside=beside, **options)
+            check_files(staging, manifest, verify=False)  # every file listed, of its size, safetensors readable
+            mark_verified(staging, manifest["files"])  # the hashes were just taken from these files
+        finally:
+            if beside is not None:
+                beside.wait()
         install(staging, model_dir, previous)
+        if beside is not None:
+            beside.installed()
     return manifest
 
 
@@ -101,7 +127,8 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
                   audio_frontend: str | None = None, video_frame_sampling: str | None = None,
                   quantization: str | None = None, calib_data: str | Path | None = None,
                   device: str = "cpu", lora: LoraPlan | None = None,
-                  merged_lora: LoraAdapter | None = None, tensor_parallel_size: int = 1) -> dict[str, Any]:
+                  merged_lora: LoraAdapter | None = None, tensor_parallel_size: int = 1,
+                  beside: BesideLlmWrite | None = None) -> dict[str, Any]:
     """Write a new engine into the empty folder `model_dir`; return its manifest.
 
     ``quantization`` (``int8_wo``, ``int4_wo``, ``int4_awq``, ``fp8``) stores the LLM layers' weights quantized,
@@ -111,7 +138,8 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
     Once the checkpoint is read, its sha256 is taken on a thread of its own (from the page cache, mostly) while the
     perception and the LLM weights are written. ``tensor_parallel_size``: the LLM is written as that many rank
     files (`exporter.llm.tensor_parallel`); a checkpoint sharded at that size (mp_rank_XX/ files, the LLM inside
-    it) is read rank by rank, never merged; any other is merged, then split one tensor at a time."""
+    it) is read rank by rank, never merged; any other is merged, then split one tensor at a time. ``beside``
+    (`BesideLlmWrite`) starts once the LLM's layout is known, before its weights are written."""
     kind = get_model_type(model_type)
     if tensor_parallel_size > 1 and (quantization is not None or lora is not None):
         raise EngineError("tensor_parallel_size > 1 serves neither quantized weights nor LoRA adapters; export "
@@ -172,7 +200,7 @@ def _write_engine(model_dir: Path, visual_checkpoint_path: str | Path, *, model_
             llm_config, llm_hashes = _write_llm(
                 model_dir / LLM_DIR, llm_checkpoint.config, llm_weights, target,
                 None if quantizer is None else lambda config, w: quantizer.apply(config, w, tokenizer),
-                tensor_parallel_size)
+                tensor_parallel_size, beside)
             if lora is not None:
                 save_adapters(model_dir / LLM_DIR / LORA_DIR, lora.adapters, target)
             tokenizer_description = tokenizer.save(model_dir / LLM_DIR)
@@ -253,10 +281,12 @@ def _shapes(weights: dict[str, torch.Tensor] | TensorStream) -> dict[str, torch.
 
 def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tensor] | TensorStream,
                dtype: torch.dtype, quantize: Callable[[DecoderConfig, dict[str, torch.Tensor]], DecoderConfig] | None
-               = None, tensor_parallel_size: int = 1) -> tuple[DecoderConfig, dict[str, str]]:
+               = None, tensor_parallel_size: int = 1, beside: BesideLlmWrite | None = None
+               ) -> tuple[DecoderConfig, dict[str, str]]:
     """Write the decoder weights (cast to `dtype` as each is written, consuming `weights`: never two copies; a
     stream is written as it is read, in its order; quantized first if asked; one file per rank when tensor
-    parallel) and the config; return the config and each weights file's sha256."""
+    parallel) and the config; return the config and each weights file's sha256. One rank: ``beside`` is started
+    with the file's layout before the write and told when it is written."""
     directory.mkdir(parents=True, exist_ok=True)
     vocab_size = int(_shapes(weights)[EMBEDDING].shape[0])
     decoder_config = DecoderConfig.from_nemo(model_config, vocab_size=vocab_size)
@@ -274,6 +304,9 @@ def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tens
     shapes = _shapes(weights)
     Decoder.from_state_dict(decoder_config, {k: v.to("meta") for k, v in shapes.items()})  # names/shapes check
     (directory / "config.json").write_text(json.dumps(decoder_config.to_dict(), indent=2))
+    if beside is not None:  # the file's layout: quantized tensors as they are, the others cast to `dtype`
+        beside.start(decoder_config, {name: torch.empty(t.shape, dtype=t.dtype if quantize else dtype, device="meta")
+                                      for name, t in shapes.items()})
     total = sum(t.numel() for t in shapes.values()) * dtype.itemsize if quantize is None else \
         sum(t.numel() * t.element_size() for t in shapes.values())
     with phase("write the LLM weights") as note, byte_progress("writing the LLM weights", total) as progress:
@@ -287,6 +320,8 @@ def _write_llm(directory: Path, model_config: Any, weights: dict[str, torch.Tens
                                f"{waits.get('reader', 0.0):.2f} s for the writers")
         else:
             sha256 = write_tensors(directory / "model.safetensors", weights, None if quantize else dtype, progress)
+    if beside is not None:
+        beside.written()
     return decoder_config, {LLM_WEIGHTS: sha256}
 
 

@@ -69,12 +69,16 @@ def allocate_cache(model: Decoder, options: KVCacheOptions, *, rows: int, blocks
         scales = scales if scales is not None else calibrated_kv_scales(model)
     else:
         scales = None
-    c = model.config
-    element = 1 if scales is not None else model.dtype.itemsize
-    block_bytes = 2 * c.num_layers * options.block_size * model.kv_heads * c.head_dim * element
-    blocks = pool_size(options, block_bytes=block_bytes, rows=rows, blocks_per_row=blocks_per_row,
+    blocks = pool_size(options, block_bytes=block_bytes(model, options), rows=rows, blocks_per_row=blocks_per_row,
                        device=model.device, reserve_bytes=reserve_bytes)
     return model.new_paged_kv_cache(blocks, options.block_size, scales)
+
+
+def block_bytes(model: Decoder, options: KVCacheOptions) -> int:
+    """The bytes of one KV-cache block of `model` (keys and values of every layer) as `options` ask for it."""
+    c = model.config
+    element = 1 if options.dtype == "fp8" else model.dtype.itemsize
+    return 2 * c.num_layers * options.block_size * model.kv_heads * c.head_dim * element
 
 
 def pool_size(options: KVCacheOptions, *, block_bytes: int, rows: int, blocks_per_row: int,

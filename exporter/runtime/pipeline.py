@@ -17,9 +17,11 @@ from typing import Any
 
 import torch
 
-from ..engine import Engine
+from ..engine import Engine, EngineLimits
 from ..llm.generate import SamplingParams
+from ..llm.model import Decoder
 from ..llm.sampling import host_to_device
+from ..llm.tokenizer import Tokenizer
 from ..models import PromptLayout
 from .feature_cache import FeatureCache, media_key
 from .kv_cache import KVCacheOptions
@@ -71,6 +73,17 @@ class _Prepared:
     lora_uid: str | None
 
 
+def serving_scheduler(decoder: Decoder, limits: EngineLimits, *, eos_id: int | None = None,
+                      tokenizer: Tokenizer | None = None, kv_cache: KVCacheOptions | None = None,
+                      max_num_tokens: int | None = None, compile_kernels_ahead: bool = True) -> Scheduler:
+    """The scheduler a :class:`Pipeline` serves an engine of ``limits`` with (its rows, longest request and beam
+    width from them); the export-time kernel warm-up (`kernel_warmup`) builds the same one, so that the kernels it
+    compiles and times are those a start meets."""
+    return Scheduler(decoder, max_slots=limits.max_batch_size, max_seq_len=limits.max_input_len + limits.max_output_len,
+                     eos_id=eos_id, tokenizer=tokenizer, max_beam_width=limits.max_beam_width, kv_cache=kv_cache,
+                     max_num_tokens=max_num_tokens, compile_kernels_ahead=compile_kernels_ahead)
+
+
 class Pipeline:
     """Preprocess → perception encoder → prompt layout → splice → LLM → text.
 
@@ -94,11 +107,9 @@ class Pipeline:
         stops = {tokenizer.token_to_id(token) for token in engine.template.stop_tokens}
         self.stop_token_ids = tuple(sorted(i for i in stops if i is not None))
         started = time.perf_counter()
-        self.scheduler = Scheduler(engine.decoder, max_slots=limits.max_batch_size,
-                                   max_seq_len=limits.max_input_len + limits.max_output_len,
-                                   eos_id=tokenizer.eos_id, tokenizer=tokenizer,
-                                   max_beam_width=limits.max_beam_width, kv_cache=kv_cache,
-                                   max_num_tokens=max_num_tokens, compile_kernels_ahead=compile_kernels_ahead)
+        self.scheduler = serving_scheduler(engine.decoder, limits, eos_id=tokenizer.eos_id, tokenizer=tokenizer,
+                                           kv_cache=kv_cache, max_num_tokens=max_num_tokens,
+                                           compile_kernels_ahead=compile_kernels_ahead)
         self.build_s = time.perf_counter() - started  # the scheduler's KV pool, step buffers and graphs' setup
         if engine.decoder.device.type == "cuda":
             self.scheduler.warm_up(rest_in_background=True)  # what a first request runs now, the rest when idle
