@@ -69,7 +69,7 @@ class Restored:
         return self.reason == "hit"
 
     def describe(self) -> str:
-        if self.reason != "hit":
+        if not self.hit:
             return f"kernel cache {self.reason}: kernels are chosen by timing"
         return f"kernel cache hit: {self.choices} kernel choices and {self.autotuned} autotuned configs reused"
 
