@@ -31,7 +31,7 @@ from wire import (
 
 from .engine import Engine, EngineLimits, LoraOptions, export_engine, load_engine, read_manifest
 from .engine.directory import tensor_parallel_size as engine_tensor_parallel_size
-from .engine.kernel_cache import KernelCache, compile_summary
+from .engine.kernel_cache import KernelCache, Restored, compile_summary
 from .engine.prefetch import prefetch_engine
 from .engine.progress import phase, thread_disk_reads
 from .engine.read_ahead import read_ahead
@@ -205,13 +205,16 @@ class TensorRTMMExporter(ITritonDeployable):
                                        f"not {self.modality!r}")
         self.close()
         kernels = KernelCache.for_device(self.model_dir, self.device) if self.device.startswith("cuda") else None
-        if kernels is not None:
-            kernels.use_compile_dirs()  # before anything compiles
         size = engine_tensor_parallel_size(manifest)
         if size > 1 and self.kv_cache.dtype == "fp8":
             raise ValueError("kv_cache_dtype fp8 is not served with tensor_parallel_size > 1; use kv_cache_dtype auto")
-        if kernels is not None and size == 1 and not kernels.saved():
-            start_workers()  # a first start compiles its kernels ahead in worker processes: they start meanwhile
+        restored = None
+        if kernels is not None:
+            kernels.use_compile_dirs()  # before anything compiles
+            # once, before anything chooses a kernel: both the workers' start and the compile-ahead pass follow it
+            restored = kernels.restore()
+            if size == 1 and not restored.hit:
+                start_workers()  # a first start compiles its kernels ahead in worker processes: they start meanwhile
         with phase("load the engine"):
             if size > 1:  # the other ranks load their parts meanwhile
                 self.ranks = Ranks(self.model_dir, size, self.device, manifest["dtype"])
@@ -226,7 +229,7 @@ class TensorRTMMExporter(ITritonDeployable):
                 raise
             self.engine.decoder.tp = None if self.ranks is None else self.ranks.tp
         try:
-            self._warm_up(kernels)
+            self._warm_up(kernels, restored)
             if self.engine.arriving is not None:
                 with phase("wait for the LLM weights") as note:
                     note["detail"] = "they arrived during the warm-up" if self.engine.arriving.pending.done() \
@@ -238,29 +241,26 @@ class TensorRTMMExporter(ITritonDeployable):
             self.engine = None
             raise
 
-    def _warm_up(self, kernels: KernelCache | None) -> None:
+    def _warm_up(self, kernels: KernelCache | None, restored: Restored | None) -> None:
         """Build the pipeline (its KV pool, its scheduler capturing the step graphs a first request runs on a GPU),
-        with the kernel cache restored first and saved after; the phase line's detail times each part. The LLM
-        weights' values may still be arriving: nothing here keeps what it computes from them."""
+        the kernel cache `restored` before the load and saved after; the phase line's detail times each part (the
+        restore apart: it is no part of the phase). The LLM weights' values may still be arriving: nothing here
+        keeps what it computes from them."""
         with phase("warm-up: compile, choose kernels, capture graphs") as note:
             started, disk_before = time.perf_counter(), thread_disk_reads()
-            restored = kernels.restore() if kernels is not None else None
-            restored_at = time.perf_counter()
             # kernels restored from the cache load from Triton's disk cache: nothing to compile ahead
-            hit = restored is not None and restored.reason == "hit"
             self.pipeline = Pipeline(self.engine, kv_cache=self.kv_cache, max_num_tokens=self.max_num_tokens,
-                                     compile_kernels_ahead=not hit)
+                                     compile_kernels_ahead=restored is None or not restored.hit)
             stop_workers()  # where the pass did not run (it stops them itself)
             scheduler = self.pipeline.scheduler
             stats = scheduler.capture_stats
             parts = {"pipeline built": self.pipeline.build_s, "captures": stats.get("before_s", 0.0)}
             details = []
             if restored is not None:
-                parts["kernel cache restore"] = restored_at - started
-                details.append(f"{restored.describe()}, restored in {parts['kernel cache restore']:.2f} s")
+                details.append(f"{restored.describe()} (restore before the load: {restored.seconds:.2f} s)")
             details.append(f"pipeline built in {parts['pipeline built']:.2f} s (KV pool {scheduler.kv_pool_s:.2f} s)")
             details.append(_describe_capture(stats))
-            if restored is not None:
+            if kernels is not None:
                 scheduler.on_captured = kernels.save  # the background captures' choices too
                 saving = time.perf_counter()
                 saved = kernels.save()

@@ -433,6 +433,20 @@ def test_a_read_only_engine_keeps_nothing_and_still_loads(tmp_path, fresh_choice
         tmp_path.chmod(0o755)
 
 
+def test_every_module_registering_an_autotuned_kernel_is_imported_with_the_kernel_cache():
+    """The exporter restores the kernel cache before the engine loads: each kernel whose saved configs it seeds
+    (`gemv.TUNED`, filled as the kernels' modules are imported) is registered by then (a fresh interpreter)."""
+    package = Path(gemv.__file__).resolve().parents[1]
+    registering = sorted(".".join(path.relative_to(package.parent).with_suffix("").parts)
+                         for path in package.rglob("*.py") if "register_tuned(" in path.read_text())
+    assert "exporter.llm.gemv" in registering and "exporter.llm.moe_triton" in registering
+    imported = subprocess.run([sys.executable, "-c", "import json, sys, exporter.engine.kernel_cache; "
+                               "print(json.dumps(sorted(sys.modules)))"],
+                              cwd=package.parent, capture_output=True, text=True, timeout=300)
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    assert set(registering) <= set(json.loads(imported.stdout)), registering
+
+
 def test_the_compile_cache_goes_into_the_cache_folder_unless_the_user_chose(tmp_path, monkeypatch):
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     cache = KernelCache(tmp_path, IDENTITY)

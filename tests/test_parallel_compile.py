@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
 from exporter.engine import kernel_cache  # noqa: E402
-from exporter.llm import gemv, paged_triton, parallel_compile  # noqa: E402
+from exporter.llm import compile_worker, gemv, paged_triton, parallel_compile  # noqa: E402
 from support.kernels import run_child_pytest  # noqa: E402
 
 CHILD = os.environ.get("SM90_COMPILES") == "1"
@@ -414,6 +414,24 @@ def test_an_autotuned_kernel_s_candidates_compile_in_worker_processes(timed, mon
     assert parallel_compile.ahead()[0] == parallel_compile.ahead_in_workers()[0] == len(BLOCKS)
     assert timed.finished == kernel_cache._COMPILES.cached == len(BLOCKS)  # each from the disk cache
     assert timed.at_timings == [] and kernel.cache == {}
+
+
+
+def test_the_pool_s_own_threads_keep_every_worker_busy_then_load_each_kernel_here(timed, monkeypatch):
+    """One pool: the thread that hands a compile to a worker process (no sender threads of the worker pool) waits
+    for it and loads the kernel here; with more compiles than workers, every worker has one at once."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)  # 2 workers for the 4 candidates
+    forget_compiled(_triple_tuned.fn, monkeypatch)
+    monkeypatch.setattr(_triple_tuned, "prune_configs", _triple_tuned.prune_configs)  # undone after the test
+    in_workers = Compiles()  # the parent's waits for a worker's answer: the jobs in workers at once
+    monkeypatch.setattr(compile_worker, "read_message", in_workers.wrap(compile_worker.read_message))
+    kernel = gemv.register_tuned("triple", _triple_tuned)
+    with parallel_compile.compiles_only():
+        launch(kernel)
+    assert parallel_compile.ahead_in_workers()[0] == in_workers.finished == len(BLOCKS) and in_workers.most == 2
+    assert timed.finished == kernel_cache._COMPILES.cached == len(BLOCKS)  # each from the disk cache
+    assert in_workers.threads <= timed.threads and all(name.startswith("triton-compile_")
+                                                      for name in timed.threads)
 
 
 USER_SCRIPT = """

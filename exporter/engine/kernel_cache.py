@@ -24,13 +24,17 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..llm import gemv, paged_triton, parallel_compile
+# every module that registers an autotuned kernel in `gemv.TUNED` (`register_tuned`, at its import): imported here,
+# so that `restore`, which may run before the engine is loaded, seeds each of them
+from ..llm import gemv, moe_triton, paged_triton, parallel_compile  # noqa: F401 - moe_triton: its kernel registered
+from ..llm.quant import kernels as quant_kernels  # noqa: F401 - its kernels registered
 from .directory import package_version
 from .integrity import CACHE_DIR
 
@@ -51,14 +55,21 @@ def device_identity(device: torch.device | str) -> dict[str, Any]:
 
 @dataclass
 class Restored:
-    """What `KernelCache.restore` found: `reason` is "hit", "missing", "corrupt" or "other identity"."""
+    """What `KernelCache.restore` found: `reason` is "hit", "missing", "corrupt" or "other identity"; `seconds`:
+    how long the restore took."""
 
     reason: str
     choices: int = 0
     autotuned: int = 0
+    seconds: float = 0.0
+
+    @property
+    def hit(self) -> bool:
+        """Whether the saved choices were restored: this start's kernels were chosen (and compiled) before."""
+        return self.reason == "hit"
 
     def describe(self) -> str:
-        if self.reason != "hit":
+        if not self.hit:
             return f"kernel cache {self.reason}: kernels are chosen by timing"
         return f"kernel cache hit: {self.choices} kernel choices and {self.autotuned} autotuned configs reused"
 
@@ -89,13 +100,15 @@ class KernelCache:
                 os.environ[variable] = chosen[variable] = str(path)
         return chosen
 
-    def saved(self) -> bool:
-        """Whether choices were saved here (`restore` then most likely hits), without reading them."""
-        return (self.folder / CHOICES_FILE).is_file()
-
     def restore(self) -> Restored:
         """Hand the saved choices to `gemv` and the saved autotune configs to their kernels; anything unreadable
         or of another identity is ignored."""
+        started = time.perf_counter()
+        restored = self._restore()
+        restored.seconds = time.perf_counter() - started
+        return restored
+
+    def _restore(self) -> Restored:
         try:
             saved = json.loads((self.folder / CHOICES_FILE).read_text())
         except FileNotFoundError:

@@ -18,7 +18,6 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO
 
 import triton.compiler
@@ -57,8 +56,9 @@ def compile_job(payload: bytes) -> float:
 
 class WorkerPool:
     """`size` worker processes, started in the background (with the parent's environment and `sys.path`, so that
-    the modules of its kernels import there as here); `submit` hands a job to a free one from one of `size`
-    threads. A worker that exits or breaks its pipe is dropped, its job failing (the caller compiles it)."""
+    the modules of its kernels import there as here); `run`, called from the caller's threads, hands a job to a
+    free one and waits for it. A worker that exits or breaks its pipe is dropped, its job failing (the caller
+    compiles it)."""
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -67,7 +67,6 @@ class WorkerPool:
         self.alive = size
         self.stopped = False
         self.lock = threading.Lock()
-        self.senders = ThreadPoolExecutor(size, thread_name_prefix="triton-compile-worker")
         self.starter = threading.Thread(target=self._start, name="triton-compile-workers-start", daemon=True)
         self.starter.start()
 
@@ -93,11 +92,9 @@ class WorkerPool:
         if self.alive == 0:
             self.idle.put(None)
 
-    def submit(self, payload: bytes) -> Future:
-        """Run the compile `payload` in a free worker; the future holds its seconds (an error where it failed)."""
-        return self.senders.submit(self._run, payload)
-
-    def _run(self, payload: bytes) -> float:
+    def run(self, payload: bytes) -> float:
+        """Run the compile `payload` in a free worker (waiting for one) and return its seconds; RuntimeError where
+        it failed there, where its worker was lost, or where none is left."""
         process = self.idle.get()
         if process is None:
             self.idle.put(None)
@@ -119,12 +116,11 @@ class WorkerPool:
         return value
 
     def stop(self) -> None:
-        """Close the workers' stdin and wait `STOP_WAIT_S` at most for them to exit, killing those left; jobs not
-        begun are cancelled."""
+        """Close the workers' stdin and wait `STOP_WAIT_S` at most for them to exit, killing those left; a `run`
+        waiting for a worker then fails at once."""
         with self.lock:
             self.stopped = True
         self.idle.put(None)
-        self.senders.shutdown(wait=False, cancel_futures=True)
         self.starter.join()
         for process in self.processes:
             try:

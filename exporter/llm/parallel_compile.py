@@ -21,11 +21,13 @@ memory. `ahead` tells what that batch did.
 Most of a compile holds the GIL (Triton's Python frontend, the MLIR passes' bindings), so threads of one process
 barely scale past a few. Under `compiles_only()` each submitted compile of a kernel that worker processes can import
 again (a `JITFunction` reachable from its module by its qualified name, its arguments picklable) first runs in one
-of them (`start_workers`), which writes Triton's disk cache; the pool's thread then runs Triton's own compile, now a
-disk-cache hit. The workers are plain subprocesses running `exporter.llm.compile_worker`, not `multiprocessing`'s
-spawned children, which would import the user's main script again (a script without a `__main__` guard would load
-the engine once per worker). A kernel that cannot be shipped, or whose worker compile fails, is compiled by the
-thread itself: the parent builds or loads every kernel it runs in all cases.
+of them (`start_workers`), which writes Triton's disk cache: the pool's thread sends it to a free worker, waits for
+it, then runs Triton's own compile, now a disk-cache hit (the pool has a few more threads than there are workers,
+so that each worker freed meanwhile takes the next compile at once). The workers are plain subprocesses running
+`exporter.llm.compile_worker`, not `multiprocessing`'s spawned children, which would import the user's main script
+again (a script without a `__main__` guard would load the engine once per worker). A kernel that cannot be shipped,
+or whose worker compile fails, is compiled by the thread itself: the parent builds or loads every kernel it runs in
+all cases.
 """
 
 from __future__ import annotations
@@ -54,11 +56,14 @@ try:
 except ImportError:  # no Triton, or a Triton without asynchronous compiles: the timing loop compiles
     AsyncCompileMode = None
 
-# the pool of `compiles_only()`: on the H100 machine's 16 cores a first start's 73 kernels took 24.5 s in one batch
-# on 8 threads against 27.4 s on 16 (each compile longer: parts of it hold the GIL; docs/performance.md, Cold start)
-AHEAD_THREADS = 8
 # the most worker processes `compiles_only` ships compiles to (one per core up to it)
 AHEAD_PROCESSES = 16
+# `compiles_only`'s pool has a thread per worker process and these more: each thread holds a worker only while its
+# compile runs there, then loads the kernel in this process (a disk-cache hit), so the extra ones keep every worker
+# busy meanwhile. On the H100 (docs/performance.md, tenth run e) a worker's compile took 0.9 s and the parent's load
+# 0.1 s on average: about 16 * 0.1 / 1.0 = 1.6 of 16 threads loading at once; 4 leaves room for their GIL waits.
+# The threads also compile in this process what no worker can (not shippable, failed, worker lost).
+AHEAD_EXTRA_THREADS = 4
 # True in a thread inside `compiles_only()` (a context variable: other threads, and the compile pool's, see False)
 _COMPILING: ContextVar[bool] = ContextVar("compiling_only", default=False)
 # the autotuned kernels `compile_candidates_ahead` hooked: their configs picked under `compiles_only` are dropped
@@ -116,9 +121,10 @@ def compiling_only() -> bool:
 
 @contextmanager
 def compiles_only() -> Iterator[None]:
-    """In the calling thread, make every Triton kernel call a warm-up whose compile goes to one pool of
-    `AHEAD_THREADS` threads at most (a failed one is left for its later launch to meet), an autotuned kernel submitting
-    all its candidates for a new key; a compile that can be shipped runs first in a worker process (`_ShippedFirst`).
+    """In the calling thread, make every Triton kernel call a warm-up whose compile goes to one pool of threads (one
+    per worker process and `AHEAD_EXTRA_THREADS`; a failed compile is left for its later launch to meet), an
+    autotuned kernel submitting all its candidates for a new key; a compile that can be shipped runs first in a
+    worker process (`_ShippedFirst`).
     Leaving waits for the pool, stops the worker processes, drops the autotune configs picked meanwhile (untimed)
     and adds the batch to `ahead`. Outputs of the kernels are left unwritten. No change where Triton lacks
     `AsyncCompileMode`, or interprets kernels."""
@@ -130,7 +136,7 @@ def compiles_only() -> Iterator[None]:
     started = time.perf_counter()
     flag = _COMPILING.set(True)
     try:
-        with ThreadPoolExecutor(min(AHEAD_THREADS, os.cpu_count() or 1), thread_name_prefix="triton-compile") as pool, \
+        with ThreadPoolExecutor(_worker_count() + AHEAD_EXTRA_THREADS, thread_name_prefix="triton-compile") as pool, \
                 AsyncCompileMode(_ShippedFirst(pool), ignore_errors=True) as mode:  # leaving waits for each compile
             try:
                 yield
@@ -146,7 +152,7 @@ def compiles_only() -> Iterator[None]:
 
 
 def start_workers() -> None:
-    """Start `compiles_only`'s worker processes now (`min(os.cpu_count(), AHEAD_PROCESSES)`), in the background,
+    """Start `compiles_only`'s worker processes now (`_worker_count()`), in the background,
     each importing what a compile needs, so that their start overlaps other work; again: no change. Where this is
     not called, they start at the first compile shipped to them. None where `compiles_only` changes nothing."""
     if AsyncCompileMode is not None and not knobs.runtime.interpret:
@@ -170,29 +176,33 @@ def _workers() -> WorkerPool:
     global _WORKERS
     with _WORKERS_LOCK:
         if _WORKERS is None:
-            _WORKERS = WorkerPool(min(os.cpu_count() or 1, AHEAD_PROCESSES))
+            _WORKERS = WorkerPool(_worker_count())
         return _WORKERS
+
+
+def _worker_count() -> int:
+    """How many worker processes `compiles_only` ships compiles to: one per core, `AHEAD_PROCESSES` at most."""
+    return min(os.cpu_count() or 1, AHEAD_PROCESSES)
 
 
 class _ShippedFirst(Executor):
     """`AsyncCompileMode`'s executor under `compiles_only`: a submitted compile (Triton's `async_compile` closure)
-    runs on `threads`, after the same compile ran in a worker process where it can be shipped there (`_payload`),
-    so that it loads what the worker wrote to the disk cache."""
+    runs on one of `threads`, which first runs the same compile in a worker process where it can be shipped there
+    (`_payload`), so that it then loads what the worker wrote to the disk cache."""
 
     def __init__(self, threads: ThreadPoolExecutor) -> None:
         self.threads = threads
 
     def submit(self, compile_fn: Callable[[], Any], /, *args: Any, **kwargs: Any) -> Future:
-        payload = _payload(compile_fn)
-        shipped = None if payload is None else _workers().submit(payload)
-        return self.threads.submit(_after_worker, shipped, compile_fn)
+        return self.threads.submit(_in_worker_first, _payload(compile_fn), compile_fn)
 
 
-def _after_worker(shipped: Future | None, compile_fn: Callable[[], Any]) -> Any:
-    """`compile_fn()` once the worker's compile `shipped` ended (a failed one leaves the compile to it)."""
-    if shipped is not None:
+def _in_worker_first(payload: bytes | None, compile_fn: Callable[[], Any]) -> Any:
+    """Run the compile `payload` in a free worker process (waiting for one), then `compile_fn()` here (a failed
+    worker compile leaves the compile to it; None: no worker is asked)."""
+    if payload is not None:
         try:
-            _IN_WORKERS.add(1, shipped.result())
+            _IN_WORKERS.add(1, _workers().run(payload))
         except Exception:  # noqa: BLE001 - compiled here instead; a real error of the kernel is met here again
             pass
     return compile_fn()
