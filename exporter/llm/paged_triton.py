@@ -17,7 +17,8 @@ final output, never applied per element. A float8 cache's decode tiles take twic
   some 2 µs of a batch-1 step each).
 - `chunk`: query tiles of consecutive prompt positions of one row (a `tiles` table: sequence, first query, count,
   first position; the host cuts them `CHUNK_TILE` queries long), each attending causally to the row's blocks up to
-  its own position; its key splits (a few tiles over a long prefix) merged the same way, per (tile, head). A
+  its own position; its key splits (a few tiles over a long prefix) merged the same way, per (program, head), of
+  which a program uses one per `MIN_SPLIT_KEYS` of its keys (a short prefix: fewer partials written and merged). A
   program takes `BLOCK_M` queries of a tile (a configuration's; 64: a tile is two programs).
 """
 
