@@ -264,14 +264,18 @@ class Pipeline:
 
     def _embed(self, layout: PromptLayout) -> torch.Tensor:
         """The prompt's embeddings on the decoder's device, queued without waiting for the device (the encoder's
-        work may still be running: the prefill queues behind it)."""
+        work may still be running: the prefill queues behind it): every token piece's ids uploaded and looked up
+        together, then spliced with the feature blocks."""
         decoder = self.engine.decoder
-        parts = []
+        ids = [token for piece in layout.pieces if isinstance(piece, list) for token in piece]
+        tokens = decoder.embed(host_to_device(ids, torch.long, decoder.device)) if ids else None
+        parts, taken = [], 0
         for piece in layout.pieces:
-            if isinstance(piece, list):
-                parts.append(decoder.embed(host_to_device(piece, torch.long, decoder.device)))
-            else:
+            if not isinstance(piece, list):
                 parts.append(piece.to(device=decoder.device, dtype=decoder.dtype))
+            elif piece:
+                parts.append(tokens[taken:taken + len(piece)])
+                taken += len(piece)
         return torch.cat(parts)
 
     def _completion(self, token_lists: list[list[int]], layout: PromptLayout) -> Completion:

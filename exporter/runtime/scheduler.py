@@ -765,12 +765,10 @@ class Scheduler:
         request.skip_through = self._launches
 
     def _release(self, request: _Running, error: BaseException | None = None, device: bool = True) -> None:
-        """Free the request's rows and blocks and finish its handle (``device``: also reset its rows' state)."""
+        """Free the request's rows and blocks and finish its handle (``device``: then reset its rows' state on the
+        device, the caller already woken; the rows take no other request before this thread's next iteration)."""
         for row in request.rows:
             self.slots[row] = None
-        if device:
-            self.chooser.release(request.first_row, request.width)
-            self.tables.clear(request.first_row, request.width)
         self.pool.release(request.blocks.held)
         request.blocks.held = []
         if request in self.prefilling:
@@ -780,6 +778,9 @@ class Scheduler:
             handle.beams = request.search.results()
             handle.tokens = handle.beams[0] if handle.beams else []
         handle._finish(error)
+        if device:
+            self.chooser.release(request.first_row, request.width)
+            self.tables.clear(request.first_row, request.width)
 
 
 def chunk_cost(count: int, start: int, key_equivalent: float) -> float:
