@@ -166,7 +166,9 @@ class Pipeline:
             raise ValueError("streaming returns one answer; use num_beams=1")
         tokens: queue.Queue[int | None] = queue.Queue()
         handle = self._submit(prepared, on_token=tokens.put)
-        threading.Thread(target=lambda: (handle.wait(), tokens.put(None)), daemon=True).start()
+        handle.on_finish = lambda: tokens.put(None)  # the end mark after the last token (twice at most: harmless)
+        if handle.done:  # finished before the callback was set
+            tokens.put(None)
         generated: list[int] = []
         sent = ""
         with self._streams_lock:

@@ -78,6 +78,7 @@ class Handle:
     first_token_at: float | None = None
     finished_at: float | None = None
     block_keys: list[bytes] = field(default_factory=list)  # prefix keys of the prompt's full blocks (for reuse)
+    on_finish: Callable[[], None] | None = None  # called once it has finished (on the thread that finished it)
     _finished: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -114,6 +115,8 @@ class Handle:
         self.error = self.error or error
         self.finished_at = time.monotonic()
         self._finished.set()
+        if self.on_finish is not None:
+            self.on_finish()
 
 
 @dataclass(frozen=True)
