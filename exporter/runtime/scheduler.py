@@ -71,6 +71,7 @@ class Handle:
     adapter: int = 0  # the LoRA slot its rows decode with (0: none)
     release_adapter: Callable[[], None] | None = None  # gives the LoRA slot back when the request ends
     submitted_at: float = field(default_factory=time.monotonic)  # time.monotonic() of each milestone
+    taken_up_at: float | None = None  # the scheduler's loop first tried to admit it (woken, or done with a step)
     admitted_at: float | None = None  # given its rows and blocks
     prefill_started_at: float | None = None  # the host began launching the step with its prompt's first chunk
     prefill_launched_at: float | None = None  # the host finished launching the step with its prompt's last chunk
@@ -537,9 +538,11 @@ class Scheduler:
         """Take waiting requests, first come first served, while rows and KV-cache blocks are free for them: each
         into the lowest run of free rows wide enough, with its blocks (reused prefix blocks, new ones for the rest
         of its prompt and for its new tokens)."""
+        now = time.monotonic()
         with self._wake:
             while self.waiting:
                 handle = self.waiting[0]
+                handle.taken_up_at = handle.taken_up_at or now
                 if handle.cancelled:
                     self.waiting.popleft()._finish()
                     continue
