@@ -182,7 +182,7 @@ def test_chunked_prefill_equals_unchunked_while_others_decode(model):
         assert handle.result(timeout=0) == static_greedy(model, _embeds(model, ids), len(handle.result(timeout=0)))
     assert scheduler.prefilled_positions == 5 + 23 + 40 + 9 and scheduler.reused_positions == 0
     for _, handle in handles[1:]:  # the milestones of a TTFT's phases, in order (40 positions: several steps)
-        milestones = (handle.submitted_at, handle.admitted_at, handle.prefill_started_at,
+        milestones = (handle.submitted_at, handle.taken_up_at, handle.admitted_at, handle.prefill_started_at,
                       handle.prefill_launched_at, handle.prompt_queued_at, handle.first_token_at)
         assert all(a <= b for a, b in zip(milestones, milestones[1:])), milestones
     long = handles[2][1]
