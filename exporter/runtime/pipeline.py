@@ -309,7 +309,9 @@ def prompt_prefix(layout: PromptLayout, media_keys: list[str | None]) -> list:
     return prefix
 
 
-_BLOCK_BITS, _OFFSET_BITS = 12, 24  # a packed media position's fields: its feature block and its offset in it
+# a packed media position's fields: its feature block and its offset in it (past 2**27 media numbers the items
+# outgrow 64 bits and `prefix_keys` hashes them as their repr: slower, still exact)
+_BLOCK_BITS, _OFFSET_BITS = 12, 24
 
 
 class MediaNumbers:

@@ -773,11 +773,14 @@ class Scheduler:
     def _release(self, request: _Running, error: BaseException | None = None, device: bool = True) -> None:
         """Free the request's rows and blocks and finish its handle (``device``: also reset its rows' state).
 
-        The handle is finished last: its woken caller competes for the GIL, which each torch call gives up, and
-        this thread's device calls after it could wait for the GIL up to the switch interval (5 ms) before the
-        next step is queued (a short request beside a long one: 2x slower when the reset came after the wake-up)."""
+        The handle is finished last: its woken caller competes for the GIL, which each torch call gives up, so
+        device calls after it could wait for the GIL up to the switch interval (5 ms) before the next step is
+        queued (a short request beside a long one: 2x slower when the reset came after the wake-up)."""
         for row in request.rows:
             self.slots[row] = None
+        if device:
+            self.chooser.release(request.first_row, request.width)
+            self.tables.clear(request.first_row, request.width)
         self.pool.release(request.blocks.held)
         request.blocks.held = []
         if request in self.prefilling:
@@ -786,9 +789,6 @@ class Scheduler:
         if isinstance(request.search, BeamSearch):
             handle.beams = request.search.results()
             handle.tokens = handle.beams[0] if handle.beams else []
-        if device:
-            self.chooser.release(request.first_row, request.width)
-            self.tables.clear(request.first_row, request.width)
         handle._finish(error)
 
 
