@@ -56,10 +56,10 @@ from exporter.runtime.cuda_graphs import ForwardStep, Piece
 from exporter.runtime.kv_cache import KVCacheOptions
 from exporter.runtime.scheduler import Scheduler
 
-# the scheduler's part of a request's TTFT, between the handle's milestones (submitted, admitted, its first prefill
-# step's launch begun, its last one's launch returned, first token choice queued, first token read) and the answer
-# back in the caller: the host's launch phases against the wait for the device
-SCHEDULER_PHASES = ("admission (loop wake-up, prefix match, blocks)", "planning (host)",
+# the scheduler's part of a request's TTFT, between the handle's milestones (submitted, taken up by the loop,
+# admitted, its first prefill step's launch begun, its last one's launch returned, first token choice queued, first
+# token read) and the answer back in the caller: the host's launch phases against the wait for the device
+SCHEDULER_PHASES = ("loop wake-up", "admission (prefix match, blocks)", "planning (host)",
                     "prefill steps launched (host)", "first token choice queued (host)",
                     "waiting for the device + first token read", "answer returned")
 # the static cache's numbers on the same H100 (docs/performance.md; the second question's from issue 14)
@@ -371,8 +371,8 @@ def _ttft(model: Decoder, shape: dict, repeats: int) -> dict:
             raise completion
         (handle,) = handles
         lengths.append(len(handle.prompt))
-        milestones = (handle.submitted_at, handle.admitted_at, handle.prefill_started_at, handle.prefill_launched_at,
-                      handle.prompt_queued_at, handle.first_token_at, end)
+        milestones = (handle.submitted_at, handle.taken_up_at, handle.admitted_at, handle.prefill_started_at,
+                      handle.prefill_launched_at, handle.prompt_queued_at, handle.first_token_at, end)
         times = {"total": (end - start) * 1e3, **phases}
         times.update({name: (later - earlier) * 1e3
                       for name, earlier, later in zip(SCHEDULER_PHASES, milestones, milestones[1:])})

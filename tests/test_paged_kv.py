@@ -5,6 +5,8 @@ beside decoding rows follow the step times fed to the chunk pacer."""
 
 from __future__ import annotations
 
+from array import array
+
 import pytest
 import torch
 
@@ -15,7 +17,9 @@ from exporter.llm.paged_attention import FP8_DTYPE, PagedBatch, PagedKVCache, pa
 from exporter.llm.paged_triton import split_count
 from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, SMALLEST_SHARE, ChunkPacer
 from exporter.runtime.cuda_graphs import Piece, chunk_bucket_sizes
+from exporter.models import PromptLayout
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
+from exporter.runtime.pipeline import MediaNumbers, prompt_prefix
 from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, chunk_cost, generate
 from support.decoders import (
     LONG_CONFIG,
@@ -77,6 +81,55 @@ def test_prefix_keys_chain_every_position_before_them():
     assert prefix_keys([1, 2, 3, 4], 4, salt="a") != prefix_keys([1, 2, 3, 4], 4, salt="b") != a[:1]
 
 
+
+def test_prefix_keys_of_packed_ints_and_of_other_items_never_collide():
+    """Token ids are hashed as packed bytes, other items as their repr: the two forms are tagged apart, a block
+    with an unknown position or an int past 64 bits takes the slow form, and equal content gives equal keys."""
+    ids = list(range(1, 13))
+    assert prefix_keys(ids, 4) == prefix_keys(tuple(ids), 4) and len(prefix_keys(ids, 4)) == 3
+    assert prefix_keys([*ids[:8], None, 1, 1, 1], 4) == prefix_keys(ids, 4)[:2]
+    words = ("abcdefghi", "fghi", "jk", "l")  # a repr of 32 bytes: the same bytes as 4 packed ints, hashed apart
+    assert len(repr(words)) == 32
+    assert prefix_keys(words, 4) != prefix_keys(array("q", repr(words).encode()).tolist(), 4)
+    texts = ["1", "2", "3", "4"]
+    assert prefix_keys(texts, 4) != prefix_keys([1, 2, 3, 4], 4)
+    assert prefix_keys([1, 2, 3, 4, *texts], 4)[0] == prefix_keys(ids, 4)[0]  # a later slow block keeps the chain
+    assert prefix_keys([1, 2, 3, 4, *texts], 4)[1] != prefix_keys([1, 2, 3, 4, 1, 2, 3, 4], 4)[1]
+    big = [2**63, 2, 3, 4]  # not a 64-bit int: its repr
+    assert prefix_keys(big, 4) == prefix_keys(list(big), 4) and prefix_keys(big, 4) != prefix_keys([0, 2, 3, 4], 4)
+    assert prefix_keys([-1, 2, 3, 4], 4) != prefix_keys([2**64 - 1, 2, 3, 4], 4)  # the same 8 bytes unsigned
+    assert prefix_keys([1, 2, 3, 4], 4, salt="ab") != prefix_keys([1, 2, 3, 4], 4, salt="a")
+
+
+def _layout(*pieces) -> PromptLayout:
+    """Token-id lists as they are, ints as that many feature positions."""
+    return PromptLayout([piece if isinstance(piece, list) else torch.zeros(piece, 2) for piece in pieces])
+
+
+def test_prompt_prefix_names_media_by_content_and_its_keys_match_only_the_same_prompt(monkeypatch):
+    """The Pipeline's prefix items: the same text and media give the same block keys (reuse), another image, another
+    feature block or another offset other keys, media without a key none past it."""
+    numbers = MediaNumbers(size=2)
+    monkeypatch.setattr("exporter.runtime.pipeline.MEDIA_NUMBERS", numbers)
+    layout = _layout([1, 2, 3], 10, [4, 5], 7, [6, 7, 8])
+    cat = prompt_prefix(layout, ["cat", "dog"])
+    assert len(cat) == layout.length and cat[:3] == [1, 2, 3] and cat[13:15] == [4, 5]
+    assert len(set(cat)) == len(cat) and all(item < 0 for item in cat[3:13] + cat[15:22])
+    assert prompt_prefix(layout, ["cat", "dog"]) == cat and prefix_keys(cat, 4) == prefix_keys(list(cat), 4)
+    dog = prompt_prefix(layout, ["dog", "cat"])  # the same images, in another order
+    assert prefix_keys(dog, 4)[0] != prefix_keys(cat, 4)[0] and not set(dog[3:13]) & set(cat)
+    question = prompt_prefix(_layout([1, 2, 3], 10, [4, 9], 7, [6, 7, 8]), ["cat", "dog"])
+    assert prefix_keys(question, 4)[:3] == prefix_keys(cat, 4)[:3] and prefix_keys(question, 4)[3] != \
+        prefix_keys(cat, 4)[3]  # the blocks before the first change are matched, none after
+    assert prompt_prefix(layout, ["cat", None])[3:] == [None] * 10 + [4, 5] + [None] * 7 + [6, 7, 8]
+    # a forgotten set of keys gets a new number: its positions never take another set's items
+    prompt_prefix(layout, ["a"]), prompt_prefix(layout, ["b"])
+    again = prompt_prefix(layout, ["cat", "dog"])
+    assert again != cat and not set(again[3:]) & set(cat[3:]) - {4, 5, 6, 7, 8}
+    # past the packed fields (a block of more features than its offset field counts) the items are the keys
+    monkeypatch.setattr("exporter.runtime.pipeline._OFFSET_BITS", 3)
+    assert prompt_prefix(layout, ["cat", "dog"])[3:5] == [(("cat", "dog"), 0, 0), (("cat", "dog"), 0, 1)]
+
 def test_block_pool_counts_references_and_evicts_cached_blocks_oldest_first():
     pool = BlockPool(6)  # 5 usable blocks
     first = pool.allocate(3)
@@ -129,7 +182,7 @@ def test_chunked_prefill_equals_unchunked_while_others_decode(model):
         assert handle.result(timeout=0) == static_greedy(model, _embeds(model, ids), len(handle.result(timeout=0)))
     assert scheduler.prefilled_positions == 5 + 23 + 40 + 9 and scheduler.reused_positions == 0
     for _, handle in handles[1:]:  # the milestones of a TTFT's phases, in order (40 positions: several steps)
-        milestones = (handle.submitted_at, handle.admitted_at, handle.prefill_started_at,
+        milestones = (handle.submitted_at, handle.taken_up_at, handle.admitted_at, handle.prefill_started_at,
                       handle.prefill_launched_at, handle.prompt_queued_at, handle.first_token_at)
         assert all(a <= b for a, b in zip(milestones, milestones[1:])), milestones
     long = handles[2][1]

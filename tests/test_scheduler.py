@@ -124,6 +124,19 @@ def test_streaming_callback_sees_tokens_in_order(model):
         assert streamed[k] == handle.result(timeout=0) and len(streamed[k]) == 8
 
 
+
+def test_on_finish_is_called_once_after_the_last_token_with_the_handle_done(model):
+    """A stream's end mark (``Pipeline.stream`` puts it from ``on_finish``, no thread waiting per stream)."""
+    scheduler = Scheduler(model, max_slots=2, max_seq_len=64, eos_id=None)
+    events: list = []
+    handle = scheduler.submit(*_prompt(model, 30, 5), SamplingParams(max_output_len=6), on_token=events.append)
+    handle.on_finish = lambda: events.append(("end", handle.done))
+    cancelled = scheduler.submit(*_prompt(model, 31, 5), SamplingParams(max_output_len=6))
+    cancelled.on_finish = lambda: events.append("cancelled")
+    cancelled.cancel()
+    run_until_idle(scheduler)
+    assert events == ["cancelled", *handle.result(timeout=0), ("end", True)]
+
 def test_cancelled_request_frees_its_slot_and_others_continue(model):
     scheduler = Scheduler(model, max_slots=1, max_seq_len=64, eos_id=None)
     seen: list[int] = []

@@ -78,14 +78,19 @@ class TokenChooser:
         self.rows, self.vocab_size, self.device = rows, vocab_size, torch.device(device)
         self.max_beam_width = max_beam_width
         self.candidates = min(2 * max_beam_width, vocab_size)
-        self.ints = torch.zeros(10, rows, dtype=torch.long, device=device)
-        self.floats = torch.zeros(4, rows, dtype=torch.float32, device=device)
+        # every row's state when idle (greedy at position 0, never advancing), copied in by ``release``
+        self._idle_ints = torch.zeros(10, rows, dtype=torch.long, device=device)
+        self._idle_ints[GREEDY] = self._idle_ints[WIDTH] = 1
+        self._idle_ints[PARENT] = torch.arange(rows, device=device)
+        self._idle_floats = torch.zeros(4, rows, dtype=torch.float32, device=device)
+        self._idle_floats[TEMPERATURE] = self._idle_floats[PENALTY] = 1.0
+        self.ints = self._idle_ints.clone()
+        self.floats = self._idle_floats.clone()
         self.seen = torch.zeros(rows, vocab_size, dtype=torch.bool, device=device)  # prompt + generated ids
         self.ends = torch.zeros(rows, vocab_size, dtype=torch.bool, device=device)  # a beam leader's end ids
         self.candidate_values = torch.zeros(rows, self.candidates, dtype=torch.float32, device=device)
         self.candidate_ids = torch.zeros(rows, self.candidates, dtype=torch.long, device=device)  # parent·V + id
         self._true = torch.ones((), dtype=torch.bool, device=device)  # a device value: no host copy that waits
-        self.release(0, rows)
 
     # --- host writes ---------------------------------------------------------------------------------------------
 
@@ -124,13 +129,8 @@ class TokenChooser:
     def release(self, first: int, count: int) -> None:
         """Rows ``[first, first + count)`` idle: greedy at position 0, never advancing."""
         window = slice(first, first + count)
-        self.ints[:, window] = 0
-        self.ints[GREEDY, window] = 1
-        self.ints[WIDTH, window] = 1
-        self.ints[PARENT, window] = torch.arange(first, first + count, device=self.device)
-        self.floats[:, window] = 0.0
-        self.floats[TEMPERATURE, window] = 1.0
-        self.floats[PENALTY, window] = 1.0
+        self.ints[:, window] = self._idle_ints[:, window]
+        self.floats[:, window] = self._idle_floats[:, window]
 
     # --- the device pass -----------------------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ it; when the pool needs blocks it takes never-used ones first, then the cached o
 from __future__ import annotations
 
 import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -118,16 +119,35 @@ def calibrated_kv_scales(model: Decoder, prompt: Tensor | None = None) -> Tensor
 def prefix_keys(content: Sequence[Hashable | None], block_size: int, salt: str = "") -> list[bytes]:
     """The chained keys of a prompt's full blocks: key i covers every position before and in block i. `content` is
     one item per position: a token id, or for a media feature its media's key and offset; None where unknown (the
-    keys stop before the block holding it). `salt` names what else changes the keys and values (a LoRA adapter)."""
+    keys stop before the block holding it). `salt` names what else changes the keys and values (a LoRA adapter).
+
+    A block of 64-bit ints (token ids; the Pipeline's media positions too, see `pipeline.prompt_prefix`) is hashed
+    as their bytes, packed for the whole prompt at once; any other block as its items' repr, tagged apart."""
     keys: list[bytes] = []
-    previous = salt.encode()
-    for start in range(0, len(content) - block_size + 1, block_size):
-        block = tuple(content[start:start + block_size])
-        if any(item is None for item in block):
-            break
-        previous = hashlib.blake2b(previous + repr(block).encode(), digest_size=16).digest()
+    previous = hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    full = len(content) - len(content) % block_size
+    packed = _packed(content[:full])
+    width = block_size * 8
+    for start in range(0, full, block_size):
+        if packed is not None:
+            block = b"i" + packed[start * 8:start * 8 + width]
+        else:
+            items = tuple(content[start:start + block_size])
+            if any(item is None for item in items):
+                break
+            ints = _packed(items)
+            block = b"i" + ints if ints is not None else b"r" + repr(items).encode()
+        previous = hashlib.blake2b(previous + block, digest_size=16).digest()
         keys.append(previous)
     return keys
+
+
+def _packed(items: Sequence) -> bytes | None:
+    """The items' bytes as signed 64-bit ints, or None if any is not such an int."""
+    try:
+        return array("q", items).tobytes()
+    except (TypeError, OverflowError):
+        return None
 
 
 class BlockPool:

@@ -11,6 +11,7 @@ import contextlib
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -165,7 +166,9 @@ class Pipeline:
             raise ValueError("streaming returns one answer; use num_beams=1")
         tokens: queue.Queue[int | None] = queue.Queue()
         handle = self._submit(prepared, on_token=tokens.put)
-        threading.Thread(target=lambda: (handle.wait(), tokens.put(None)), daemon=True).start()
+        handle.on_finish = lambda: tokens.put(None)  # the end mark after the last token (twice at most: harmless)
+        if handle.done:  # finished before the callback was set
+            tokens.put(None)
         generated: list[int] = []
         sent = ""
         with self._streams_lock:
@@ -263,14 +266,18 @@ class Pipeline:
 
     def _embed(self, layout: PromptLayout) -> torch.Tensor:
         """The prompt's embeddings on the decoder's device, queued without waiting for the device (the encoder's
-        work may still be running: the prefill queues behind it)."""
+        work may still be running: the prefill queues behind it): every token piece's ids uploaded and looked up
+        together, then spliced with the feature blocks."""
         decoder = self.engine.decoder
-        parts = []
+        ids = [token for piece in layout.pieces if isinstance(piece, list) for token in piece]
+        tokens = decoder.embed(host_to_device(ids, torch.long, decoder.device)) if ids else None
+        parts, taken = [], 0
         for piece in layout.pieces:
-            if isinstance(piece, list):
-                parts.append(decoder.embed(host_to_device(piece, torch.long, decoder.device)))
-            else:
+            if not isinstance(piece, list):
                 parts.append(piece.to(device=decoder.device, dtype=decoder.dtype))
+            elif piece:
+                parts.append(tokens[taken:taken + len(piece)])
+                taken += len(piece)
         return torch.cat(parts)
 
     def _completion(self, token_lists: list[list[int]], layout: PromptLayout) -> Completion:
@@ -280,18 +287,60 @@ class Pipeline:
 
 def prompt_prefix(layout: PromptLayout, media_keys: list[str | None]) -> list:
     """What each prompt position holds: its token id, or for the j-th feature block (a function of the request's
-    media, which the keys name by content) the media keys, j and the offset; None after media without a key."""
+    media, which the keys name by content) the media's number (``MEDIA_NUMBERS``), j and the offset packed into one
+    negative int (so that ``prefix_keys`` hashes the prompt's bytes at once); None after media without a key."""
     prefix: list = []
-    known = all(key is not None for key in media_keys)
+    known = bool(media_keys) and all(key is not None for key in media_keys)
+    number = MEDIA_NUMBERS.number(tuple(media_keys)) if known else 0
     blocks = 0
     for piece in layout.pieces:
         if isinstance(piece, list):
             prefix.extend(piece)
         else:
             length = int(piece.shape[0])
-            prefix.extend((tuple(media_keys), blocks, offset) if known else None for offset in range(length))
+            if not known:
+                prefix.extend([None] * length)
+            elif blocks < 1 << _BLOCK_BITS and length <= 1 << _OFFSET_BITS:
+                first = -1 - ((number << _BLOCK_BITS | blocks) << _OFFSET_BITS)  # offsets count down from it
+                prefix.extend(range(first, first - length, -1))
+            else:  # past the packed ints' fields: the keys themselves
+                prefix.extend((tuple(media_keys), blocks, offset) for offset in range(length))
             blocks += 1
     return prefix
+
+
+# a packed media position's fields: its feature block and its offset in it (past 2**27 media numbers the items
+# outgrow 64 bits and `prefix_keys` hashes them as their repr: slower, still exact)
+_BLOCK_BITS, _OFFSET_BITS = 12, 24
+
+
+class MediaNumbers:
+    """Numbers naming the media of prompts by content (their keys), for ``prompt_prefix``: a set of keys gets the
+    next number the first time it is seen and keeps it while among the ``size`` last seen. A number is never given
+    twice (one forgotten and seen again gets a new number: its old blocks are only not reused), so two prompts'
+    positions get the same item only for the same media."""
+
+    def __init__(self, size: int = 4096):
+        self.size = size
+        self._numbers: OrderedDict[tuple[str, ...], int] = OrderedDict()
+        self._next = 1
+        self._lock = threading.Lock()
+
+    def number(self, keys: tuple[str, ...]) -> int:
+        """The number of the media named by ``keys``."""
+        with self._lock:
+            number = self._numbers.get(keys)
+            if number is not None:
+                self._numbers.move_to_end(keys)
+                return number
+            number, self._next = self._next, self._next + 1
+            self._numbers[keys] = number
+            if len(self._numbers) > self.size:
+                self._numbers.popitem(last=False)
+            return number
+
+
+MEDIA_NUMBERS = MediaNumbers()  # one per process: a number names the same media in every Pipeline
 
 
 @dataclass

@@ -71,6 +71,7 @@ class Handle:
     adapter: int = 0  # the LoRA slot its rows decode with (0: none)
     release_adapter: Callable[[], None] | None = None  # gives the LoRA slot back when the request ends
     submitted_at: float = field(default_factory=time.monotonic)  # time.monotonic() of each milestone
+    taken_up_at: float | None = None  # the scheduler's loop first tried to admit it (woken, or done with a step)
     admitted_at: float | None = None  # given its rows and blocks
     prefill_started_at: float | None = None  # the host began launching the step with its prompt's first chunk
     prefill_launched_at: float | None = None  # the host finished launching the step with its prompt's last chunk
@@ -78,6 +79,7 @@ class Handle:
     first_token_at: float | None = None
     finished_at: float | None = None
     block_keys: list[bytes] = field(default_factory=list)  # prefix keys of the prompt's full blocks (for reuse)
+    on_finish: Callable[[], None] | None = None  # called once it has finished (on the thread that finished it)
     _finished: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -114,6 +116,8 @@ class Handle:
         self.error = self.error or error
         self.finished_at = time.monotonic()
         self._finished.set()
+        if self.on_finish is not None:
+            self.on_finish()
 
 
 @dataclass(frozen=True)
@@ -534,9 +538,11 @@ class Scheduler:
         """Take waiting requests, first come first served, while rows and KV-cache blocks are free for them: each
         into the lowest run of free rows wide enough, with its blocks (reused prefix blocks, new ones for the rest
         of its prompt and for its new tokens)."""
+        now = time.monotonic()
         with self._wake:
             while self.waiting:
                 handle = self.waiting[0]
+                handle.taken_up_at = handle.taken_up_at or now
                 if handle.cancelled:
                     self.waiting.popleft()._finish()
                     continue
