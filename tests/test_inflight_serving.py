@@ -17,6 +17,7 @@ from support.servers import REPO
 LONG_OUTPUT = 1500  # the demo model repeats its word this often with a repetition "penalty" far below 1
 REPEAT = {"repetition_penalty": 0.001}
 TIMED = 7  # short requests timed alone, then as many during the long one (medians compared)
+SLACK_S = 0.05  # the least a short request may take beside the long one beyond its time alone
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,8 @@ def server(tmp_path_factory):
 @pytest.mark.parametrize("protocol", ["http", "grpc"])
 def test_short_request_is_answered_while_a_long_one_runs(server, protocol):
     """A 2-token request sent while a 1,500-token request decodes is answered in under twice the time it takes
-    alone (through the real server, on the same protocol); waiting for the long one would take over a second."""
+    alone, or `SLACK_S` more (through the real server, on the same protocol); waiting for the long one would take
+    over a second."""
     url = server[protocol]
     image, shape, _ = load_demo_builder().sample_examples(np.random.default_rng(3), 1)[0]
 
@@ -49,4 +51,7 @@ def test_short_request_is_answered_while_a_long_one_runs(server, protocol):
         assert not long.done(), "the long request ended before the short ones were timed; make it longer"
         assert long.result(timeout=300)[0, 0] == " ".join(["circle"] * LONG_OUTPUT)
     print(f"{protocol}: short request alone {alone:.3f} s, during a long one {statistics.median(during):.3f} s")
-    assert statistics.median(during) < 2 * alone, f"alone {alone:.3f} s, during a long request {during}"
+    # twice its time alone, or 50 ms more where that is tighter: alone it takes ~10 ms on a 2-core CPU, and beside
+    # the long one it also waits for the step in flight (1.5-1.9x measured); waiting for the long one takes seconds
+    limit = max(2 * alone, alone + SLACK_S)
+    assert statistics.median(during) < limit, f"alone {alone:.3f} s, during a long request {during}"
