@@ -18,9 +18,7 @@ final output, never applied per element. A float8 cache's decode tiles take twic
 - `chunk`: query tiles of consecutive prompt positions of one row (a `tiles` table: sequence, first query, count,
   first position; the host cuts them `CHUNK_TILE` queries long), each attending causally to the row's blocks up to
   its own position; its key splits (a few tiles over a long prefix) merged the same way, per (tile, head). A
-  program takes `BLOCK_M` queries of a tile (a configuration's; 64: a tile is two programs), of each tile of its
-  slot: the launch has the slots a chunk of its size fills as one piece, and tiles past them (several pieces,
-  or the unused room a step's graph keeps for them) go round the slots again.
+  program takes `BLOCK_M` queries of a tile (a configuration's; 64: a tile is two programs).
 """
 
 from __future__ import annotations
@@ -170,11 +168,10 @@ def _chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scale
             lse.fill_(float("-inf"))
         target_strides = (target.stride(0), target.stride(1), target.stride(2))
     count = tiles.shape[0]
-    slots = min(count, -(-tokens // CHUNK_TILE))  # programs' tile slots: a tile's slot is its index modulo these
-    _chunk_tuned[lambda meta: (slots * (CHUNK_TILE // meta["BLOCK_M"]), heads, splits)](
+    _chunk_tuned[lambda meta: (count * (CHUNK_TILE // meta["BLOCK_M"]), heads, splits)](
         q, k, v, tables, tiles, k_scale, v_scale, target, lse, out, counters if merge else out, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0), *target_strides, tables.shape[1],
-        count, window or 0, _LOG2E / math.sqrt(dim), QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1],
+        window or 0, _LOG2E / math.sqrt(dim), QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1],
         TILE=CHUNK_TILE, SPLITS=splits, FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype),
         MERGE=merge)
     if splits > 1 and not merge:
@@ -418,37 +415,17 @@ if triton is not None:
     @triton.jit
     def _paged_chunk_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
                             merged_ptr, counters_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
-                            stride_tr, stride_ot, stride_oh, stride_os, max_blocks, tile_count, window, scale,
-                            QPG: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr,
-                            TILE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                            FP8: tl.constexpr, WINDOWED: tl.constexpr, PRECISION: tl.constexpr,
-                            MERGE: tl.constexpr):
-        """One (``BLOCK_M`` queries of a tile, head, split) for each of the ``tile_count`` tiles of the program's
-        slot (tiles slot, slot + slots, ...: a step's graph holds room for more tiles than a chunk of its size
-        usually fills, and a program per tile of that room, however quickly it returned, took the GPU's slots wave
-        after wave): causal online softmax over the split's share of those queries' keys (with ``MERGE``, the last
-        split to finish merges them into ``merged_ptr``, laid out as ``q``). A tile's part past its query count, and
-        an unused tile, do nothing."""
-        PARTS: tl.constexpr = TILE // BLOCK_M
-        slot = tl.program_id(0) // PARTS
-        part = (tl.program_id(0) % PARTS) * BLOCK_M
+                            stride_tr, stride_ot, stride_oh, stride_os, max_blocks, window, scale, QPG: tl.constexpr,
+                            D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
+                            WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr):
+        """One (``BLOCK_M`` queries of a ``TILE``-query tile, head, split): causal online softmax over the split's
+        share of those queries' keys (with ``MERGE``, the last split to finish merges them into ``merged_ptr``,
+        laid out as ``q``). A tile's part past its query count does nothing."""
+        program = tl.program_id(0)
+        tile = program // (TILE // BLOCK_M)
+        part = (program % (TILE // BLOCK_M)) * BLOCK_M
         head = tl.program_id(1)
-        for tile in range(slot, tile_count, tl.num_programs(0) // PARTS):
-            _chunk_tile(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
-                        merged_ptr, counters_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tr,
-                        stride_ot, stride_oh, stride_os, max_blocks, window, scale, tile, part,
-                        tile * PARTS + part // BLOCK_M, head, QPG, D, DP, BS, BLOCK_M, BLOCK_N, SPLITS, FP8,
-                        WINDOWED, PRECISION, MERGE)
-
-    @triton.jit
-    def _chunk_tile(q_ptr, k_ptr, v_ptr, tables_ptr, tiles_ptr, k_scale_ptr, v_scale_ptr, out_ptr, lse_ptr,
-                    merged_ptr, counters_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_tr,
-                    stride_ot, stride_oh, stride_os, max_blocks, window, scale, tile, part, program, head,
-                    QPG: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
-                    PRECISION: tl.constexpr, MERGE: tl.constexpr):
-        """``_paged_chunk_kernel``'s work on queries ``[part, part + BLOCK_M)`` of one tile (``program``: the
-        tile's part as a program of its own, which names its merge ticket)."""
         split = tl.program_id(2)
         sequence = tl.load(tiles_ptr + tile * 4)
         count = tl.minimum(tl.load(tiles_ptr + tile * 4 + 2) - part, BLOCK_M)
