@@ -170,7 +170,8 @@ def test_a_chunk_program_uses_the_splits_its_keys_fill(kernels, chunk_rows, monk
     """A second question's 85 queries after 614 cached positions fill two splits of 512 keys (or one, in a window),
     40 after 1,100 three: the other splits read nothing and store no partial (their buffers left as they
     were, here NaN), only an empty softmax; the merge (in place, or by a second kernel) skips them and matches the
-    reference, the tickets left at zero."""
+    reference, the tickets left at zero (512 keys a split here: the engine's are more)."""
+    monkeypatch.setattr(kernels, "MIN_SPLIT_KEYS", 512)
     sequences = ((0, 85, 614), (85, 40, 1100))  # (first query, count, first position)
     width = -(-1140 // block_size)
     cache = _cache(dtype, groups, dim, block_size, blocks=2 * width + 1, fp8=fp8)

@@ -63,7 +63,8 @@ def chunk_splits(tiles: int, heads: int, device: torch.device) -> int:
     kernel alone in a step graph's launch, 1/2/4/8 splits): 85 queries after 614 positions 24/22/27/41 us, 120
     after 16,000 436/209/132/149 us, 384 after 16,000 443/397/324/364 us; 602 after 96 38/50/77/140 us and 2,048
     after 0 166/192/266/438 us. The old rule (``decode_splits``'s one wave of two programs an SM, counting a tile as
-    one program where its 64-query configurations make two) gave 8, 8, 2, 1, 1."""
+    one program where its 64-query configurations make two) gave 8, 8, 2, 1, 1. Of these splits the kernel uses
+    one per ``paged_triton.MIN_SPLIT_KEYS`` of a program's keys (a short prefix: one)."""
     if device.type != "cuda":
         return 1
     return CHUNK_SPLITS if tiles * heads <= torch.cuda.get_device_properties(device).multi_processor_count else 1
