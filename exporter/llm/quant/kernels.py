@@ -13,7 +13,9 @@ bucket) times them and keeps the fastest (`gemv.fastest`), so a candidate can on
   atomically into a zeroed buffer, which is then cast to the activation dtype. SPLIT_K and the tile are
   autotuned.
 - `packed`, `packed_split` (int4, up to 64 rows): tensor-core tiles of a copy of the weight repacked so that one
-  shift and mask of a tile of words gives a whole group (`pack_int4_words`), kept as tinygemm's copy is.
+  shift and mask of a tile of words gives a whole group, two columns a 32-bit operation, as the 16-bit floats
+  `128 + q` (bfloat16; float16 `1024 + q`) (`pack_int4_words`); the scales and zeros are applied per group to
+  the group's product, not per weight (copies kept as tinygemm's copy is).
 - `dequant`: a Triton kernel writes the whole weight in the activation dtype, then cuBLAS multiplies.
 - `tinygemm` (int4 with bfloat16 activations, up to 8 rows, on CUDA builds of torch that have it): torch's
   `_weight_int4pack_mm` on a copy of the weight repacked into its tiled layout when first timed. The copy is
@@ -27,9 +29,9 @@ fc2 of a SwiGLU MLP (`gated_silu`) has each Triton candidate twice: computing `s
 `[gate; up]` input (every output tile's program computes it again), and as `act+<name>`, the activation kernel
 first, then the plain kernel (`gemv.activation_first`); the others run the activation kernel first.
 
-The kernels read int4 weights as int32 words of eight nibbles (nibble i of word w is column 8w + i, the stored
-byte order), and turn int4 and int8 values into floats with exponent bit tricks (an OR and a subtraction, exact)
-rather than conversion instructions, which run at a fraction of the FMA rate.
+The fused kernel reads int4 weights as int32 words of eight nibbles (nibble i of word w is column 8w + i, the
+stored byte order), and turns int4 and int8 values into floats with exponent bit tricks (an OR and a subtraction,
+exact) rather than conversion instructions, which run at a fraction of the FMA rate.
 
 Everywhere else (CPU, no Triton) the reference runs: `formats.dequantize`, then `F.linear`. Nothing here syncs
 with the host once a key's choice is made (made outside graph capture: the capture's warm-up runs come first), so
@@ -703,9 +705,9 @@ if triton is not None:
             do_bench=_bench)(_packed_kernel))
 
     # split -> the autotuned packed kernel: 16 to 64 rows (1 row padded to 16) in 16- or 32-row tiles (64-row ones
-    # take Hopper's wgmma, whose shared buffers exceed 228 KB at a chunk of 1024 columns; 32-row ones fit at 2
-    # stages with the gate's two loads), whole chunks of K (a chunk is 1024 columns at LLaVA's group of 128, 256 at
-    # a group of 32), split K for products with few output tiles; few shapes: each is compiled and timed per key
+    # take Hopper's wgmma, whose shared buffers exceed 228 KB at 1024 columns; 32-row ones fit at 2 stages with
+    # the gate's two loads), whole chunks of K (a chunk is 512 columns at LLaVA's group of 128, 128 at a group of
+    # 32), split K for products with few output tiles; few shapes: each is compiled and timed per key
     _TUNED_PACKED = {
         False: _tuned_packed("quant_packed", (
             (16, 32, 1024, 1, 4, 3), (16, 64, 1024, 1, 4, 2), (16, 128, 1024, 1, 8, 2), (16, 64, 2048, 1, 4, 2),
