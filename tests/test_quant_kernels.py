@@ -28,6 +28,21 @@ LLAVA_SCALED = ((768, 256), (256, 256), (1376, 256), (256, 688))
 UNALIGNED = ((37, 100), (33, 90), (65, 160))
 
 
+if TRITON_INTERPRETED:
+    import triton
+    import triton.language as tl
+
+    from exporter.llm.quant.kernels import _offset_nibbles
+
+    @triton.jit
+    def _unpack_kernel(w_ptr, out_ptr, SHIFT: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
+        """One chunk's group SHIFT / 4 of BLOCK_N rows of `pack_int4_words`, as the packed kernel unpacks it."""
+        rows = tl.arange(0, BLOCK_N)
+        words = tl.load(w_ptr + rows[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :])
+        w = _offset_nibbles(words, SHIFT, out_ptr.dtype.element_ty, BLOCK_N, G)
+        tl.store(out_ptr + rows[:, None] * G + tl.arange(0, G)[None, :], w)
+
+
 @pytest.fixture(scope="module")
 def kernels():
     if not TRITON_INTERPRETED:
@@ -147,6 +162,19 @@ def test_packed_words_hold_each_group_in_one_nibble_pair(kernels):
     assert torch.equal(pairs[:, 0:20:2], stored["weight_scale"])
     assert torch.equal(pairs[:, 1:20:2], stored["weight_zero"])
     assert pairs[:, 20:].eq(0).all()
+
+
+@pytest.mark.parametrize(("dtype", "offset"), [(torch.bfloat16, 128), (torch.float16, 1024), (torch.float32, 0)])
+def test_packed_nibbles_become_the_offset_weights(kernels, dtype, offset):
+    """`_offset_nibbles` (no tl.dot, so bfloat16 too under the interpreter): shift 4i of a chunk's words gives
+    group i as `offset + q` in the activation dtype, columns in order."""
+    layout, stored = _stored("int4_wo", 16, 512, dtype, seed=2)  # one chunk of 4 groups of 128
+    q = torch.stack([stored["weight"] & 15, stored["weight"] >> 4], dim=-1).view(16, 512)
+    words = kernels.pack_int4_words(layout, stored["weight"])
+    for i in range(4):
+        out = torch.empty(16, 128, dtype=dtype)
+        _unpack_kernel[(1,)](words, out, SHIFT=4 * i, BLOCK_N=16, G=128)
+        assert torch.equal(out.float(), q[:, 128 * i:128 * (i + 1)].float() + offset), i
 
 
 @pytest.mark.parametrize("method", ["int4_wo", "int4_awq"])
