@@ -95,13 +95,11 @@ def test_a_lone_candidate_is_not_timed(timings):
     assert timed == []
 
 
-@pytest.mark.parametrize(("copy", "choice", "kept"), [
-    ("packed", "act+packed_split", True), ("packed_scales", "packed", True), ("packed_scales", "tinygemm", False),
-    ("scaled_mm", "scaled_mm", True), ("scaled_mm", "fused", False)])
+@pytest.mark.parametrize(("copy", "choice", "kept"), [("packed", "act+packed_split", True),
+                                                     ("scaled_mm", "scaled_mm", True), ("scaled_mm", "fused", False)])
 def test_a_copy_stays_where_a_reader_won(monkeypatch, copy, choice, kept):
-    """`act+packed_split` reads the packed copy as `packed_split` does (and the packed kernels their scales and
-    zeros' copy), `scaled_mm` its float32 scales: the copy made while timing stays where its reader was chosen and
-    goes where another candidate was."""
+    """`act+packed_split` reads the packed copy as `packed_split` does, `scaled_mm` its float32 scales: the copy
+    made while timing stays where its reader was chosen and goes where another candidate was."""
     weight = torch.zeros(4, 8, dtype=torch.uint8)
     key = ("int4_wo", 4, 16, 32, torch.bfloat16, 1, "gated")
     monkeypatch.setattr(gemv, "_CHOICES", {key: choice})

@@ -13,9 +13,7 @@ bucket) times them and keeps the fastest (`gemv.fastest`), so a candidate can on
   atomically into a zeroed buffer, which is then cast to the activation dtype. SPLIT_K and the tile are
   autotuned.
 - `packed`, `packed_split` (int4, up to 64 rows): tensor-core tiles of a copy of the weight repacked so that one
-  shift and mask of a tile of words gives a whole group, two columns a 32-bit operation, as the 16-bit floats
-  `128 + q` (bfloat16; float16 `1024 + q`) (`pack_int4_words`); the scales and zeros are applied per group to
-  the group's product, not per weight (copies kept as tinygemm's copy is).
+  shift and mask of a tile of words gives a whole group (`pack_int4_words`), kept as tinygemm's copy is.
 - `dequant`: a Triton kernel writes the whole weight in the activation dtype, then cuBLAS multiplies.
 - `tinygemm` (int4 with bfloat16 activations, up to 8 rows, on CUDA builds of torch that have it): torch's
   `_weight_int4pack_mm` on a copy of the weight repacked into its tiled layout when first timed. The copy is
@@ -29,9 +27,9 @@ fc2 of a SwiGLU MLP (`gated_silu`) has each Triton candidate twice: computing `s
 `[gate; up]` input (every output tile's program computes it again), and as `act+<name>`, the activation kernel
 first, then the plain kernel (`gemv.activation_first`); the others run the activation kernel first.
 
-The fused kernel reads int4 weights as int32 words of eight nibbles (nibble i of word w is column 8w + i, the
-stored byte order), and turns int4 and int8 values into floats with exponent bit tricks (an OR and a subtraction,
-exact) rather than conversion instructions, which run at a fraction of the FMA rate.
+The kernels read int4 weights as int32 words of eight nibbles (nibble i of word w is column 8w + i, the stored
+byte order), and turn int4 and int8 values into floats with exponent bit tricks (an OR and a subtraction, exact)
+rather than conversion instructions, which run at a fraction of the FMA rate.
 
 Everywhere else (CPU, no Triton) the reference runs: `formats.dequantize`, then `F.linear`. Nothing here syncs
 with the host once a key's choice is made (made outside graph capture: the capture's warm-up runs come first), so
@@ -60,11 +58,9 @@ except ImportError:  # no Triton (CPU-only installs): the reference everywhere
 DECODE_ROWS = 8  # up to this many rows the fused kernel accumulates with FMAs; more use tensor cores
 SPLIT_ROWS = 64  # above this many rows the output tiles alone fill the GPU: no split-K candidate
 # copy -> the candidates that read it: a weight's tensors in a form only they read ("tinygemm": an int4 weight in
-# torch's tiled layout and its scales and offsets, "packed": `pack_int4_words`, "packed_scales": its scales and
-# zeros as `pack_scales_and_zeros` lays them out, "scaled_mm": an fp8 weight's scales
+# torch's tiled layout and its scales and offsets, "packed": `pack_int4_words`, "scaled_mm": an fp8 weight's scales
 # in float32, as `_scaled_mm` takes them, so a product does not cast them each call)
-_COPY_READERS = {"tinygemm": ("tinygemm",), "packed": ("packed", "packed_split"),
-                 "packed_scales": ("packed", "packed_split"), "scaled_mm": ("scaled_mm",)}
+_COPY_READERS = {"tinygemm": ("tinygemm",), "packed": ("packed", "packed_split"), "scaled_mm": ("scaled_mm",)}
 # copy name -> {weight -> its copy}, made when a reader first runs (by identity: a tensor's == is elementwise)
 _COPIES = {name: WeakIdKeyDictionary() for name in _COPY_READERS}
 # copy name -> {weight -> how its copy is made from it: make(weight)} (for `remake_copies`)
@@ -200,24 +196,14 @@ def _launch(tuned, kernel, x: Tensor, n: int, tensors: tuple, sizes: tuple, argu
 
 def pack_int4_words(layout: QuantLayout, weight: Tensor) -> Tensor:
     """The stored int4 bytes `[N, Kp / 2]` as int32 words in the layout `packed_linear` reads: K cut into chunks of
-    4 groups (zero-padded to whole chunks), chunk c's word j holding columns `4Gc + Gi + 2j` in nibble i and
-    `4Gc + Gi + 2j + 1` in nibble i + 4 (i < 4), so that one shift-and-mask of a chunk's words gives the whole of
-    its group i, two adjacent columns a word, one in each 16-bit half: `[N, chunks * G / 2]` int32."""
+    8 groups (zero-padded to whole chunks), chunk c's word j holding column `8Gc + Gi + j` in nibble i, so that
+    one shift-and-mask of a chunk's words gives the whole of its group i: `[N, chunks * G]` int32."""
     n, group = layout.out_features, layout.group
-    chunk = 4 * group
+    chunk = 8 * group
     q = torch.stack([weight & 15, weight >> 4], dim=-1).view(n, layout.padded_in_features)
     width = -(-q.shape[1] // chunk) * chunk
-    q = torch.cat([q, q.new_zeros(n, width - q.shape[1])], dim=1).view(n, width // chunk, 4, group // 2, 2)
-    nibbles = q.permute(0, 1, 3, 4, 2).reshape(n, width // chunk, group // 2, 8)  # nibble 4 * half + i of word j
-    return (nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)).contiguous().view(torch.int32).view(n, width // 8)
-
-
-def pack_scales_and_zeros(layout: QuantLayout, scale: Tensor, zero: Tensor) -> Tensor:
-    """int4 scales and zeros `[N, Kp / G]` as `packed_linear` reads them: each group's (scale, zero) pair, groups
-    zero-padded to whole chunks of 4 (`pack_int4_words`), so that one load gives a chunk's: `[N, groups * 2]`."""
-    padded = -(-layout.groups // 4) * 4
-    pairs = torch.stack([scale, zero], dim=-1)
-    return F.pad(pairs, (0, 0, 0, padded - layout.groups)).view(layout.out_features, 2 * padded).contiguous()
+    q = torch.cat([q, q.new_zeros(n, width - q.shape[1])], dim=1).view(n, width // chunk, 8, group).transpose(2, 3)
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).contiguous().view(torch.int32).view(n, width // 8)
 
 
 def packed_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor,
@@ -231,12 +217,11 @@ def packed_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor,
     `TRITON_INTERPRET=1`)."""
     rows, n, k = x.shape[0], layout.out_features, layout.in_features
     words = _copy_of("packed", weight, functools.partial(pack_int4_words, layout))
-    pairs = _copy_of("packed_scales", weight, lambda _: pack_scales_and_zeros(layout, scale, zero))
     split = split or (config or {}).get("SPLIT_K", 1) > 1
     arguments = dict(G=layout.group, HAS_INPUT_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
                      GATED=gated, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    tensors = (x, words, pairs, scale if input_scale is None else input_scale, scale if bias is None else bias)
-    sizes = (rows, n, k, words.shape[1], _row_bucket(rows))
+    tensors = (x, words, scale, zero, scale if input_scale is None else input_scale, scale if bias is None else bias)
+    sizes = (rows, n, k, words.shape[1], layout.groups, _row_bucket(rows))
     return _launch(_TUNED_PACKED[split], _packed_kernel, x, n, tensors, sizes, arguments, config, split)
 
 
@@ -439,8 +424,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["M", "NG", "M_BUCKET"])
     def _qlinear_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, W_STRIDE, NG, M_BUCKET,
                         INT4: tl.constexpr, G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                        GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
         """y[m, n] = sum_k x[m, k] (* xs[k]) W[n, k] (+ b[n]) for a BLOCK_M x BLOCK_N tile, in float32, over the
         program's slice of K (axis 2 of the grid: SPLIT_K slices of whole BLOCK_K tiles).
 
@@ -500,96 +485,41 @@ if triton is not None:
         else:
             tl.store(out, y.to(y_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
 
-    @triton.jit
-    def _offset_nibbles(words, SHIFT: tl.constexpr, dtype: tl.constexpr, BLOCK_N: tl.constexpr, G: tl.constexpr):
-        """`OFFSET + q` in `dtype` for nibbles SHIFT / 4 and SHIFT / 4 + 4 of each `pack_int4_words` word (columns 2j
-        and 2j + 1 of a `[BLOCK_N, G]` group tile), exact and without float arithmetic: the nibble ORed into the
-        mantissa of OFFSET (bfloat16 128: 0x4300, float16 1024: 0x6400), two values a 32-bit operation, their
-        halves the 16-bit floats. float32 (OFFSET 0) converts the nibbles."""
-        if dtype == tl.bfloat16:
-            pairs = ((words >> SHIFT) & 0x000F000F) | 0x43004300
-        elif dtype == tl.float16:
-            pairs = ((words >> SHIFT) & 0x000F000F) | 0x64006400
-        else:
-            pairs = (words >> SHIFT) & 0x000F000F
-        w = tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16)).reshape(BLOCK_N, G)
-        if dtype == tl.float32:
-            return w.to(tl.float32)
-        return w.to(dtype, bitcast=True)
-
-    @triton.jit
-    def _quarters(t, BLOCK_N: tl.constexpr):
-        """The 4 columns of a `[BLOCK_N, 4]` tile."""
-        even, odd = tl.split(t.reshape(BLOCK_N, 2, 2))
-        first, third = tl.split(even)
-        second, fourth = tl.split(odd)
-        return first, second, third, fourth
-
-    @triton.jit
-    def _packed_group(acc, x_ptr, xs_ptr, tokens, token_ok, K, group, words, s, sz, ones, SHIFT: tl.constexpr,
-                      G: tl.constexpr, BLOCK_N: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, GATED: tl.constexpr,
-                      PRECISION: tl.constexpr):
-        """`acc` plus one group's product: x's columns of the group times `OFFSET + q` (`_offset_nibbles` at
-        SHIFT) on tensor cores, folded in with the rows' scale s and `sz = s * (OFFSET + zero)` times the group's
-        sums of x (a tensor-core product with `ones`, in the accumulator's layout)."""
-        cols = group * G + tl.arange(0, G)
-        x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE, GATED)
-        x = x.to(x_ptr.dtype.element_ty)
-        w = _offset_nibbles(words, SHIFT, x.dtype, BLOCK_N, G)
-        acc = tl.fma(tl.dot(x, tl.trans(w), input_precision=PRECISION), s[None, :], acc)
-        return tl.fma(tl.dot(x, ones, input_precision=PRECISION), -sz[None, :], acc)
-
-    # the row count is not specialized on
-    @triton.jit(do_not_specialize=["M", "M_BUCKET"])
-    def _packed_kernel(x_ptr, w_ptr, p_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, WORDS, M_BUCKET, G: tl.constexpr,
-                       HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                       PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    # the row count and the number of groups are not specialized on
+    @triton.jit(do_not_specialize=["M", "NG", "M_BUCKET"])
+    def _packed_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, WORDS, NG, M_BUCKET,
+                       G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                       GATED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr):
         """y = x W^T (+ b) for a BLOCK_M x BLOCK_N tile over the program's slice of K, W int4 in the
-        `pack_int4_words` layout (WORDS words a row, chunks of 4 groups; BLOCK_K a multiple of a chunk), its
-        scales and zeros in the `pack_scales_and_zeros` one.
+        `pack_int4_words` layout (WORDS words a row, chunks of 8 groups; BLOCK_K a multiple of a chunk).
 
-        Each chunk's `[BLOCK_N, G / 2]` words and its groups' scales and zeros are loaded once; shift 4i and a
-        mask give group i of the chunk as `OFFSET + q` (no scale, no float arithmetic a weight), multiplied on
-        tensor cores by x's columns of that group into a tile of its own. With X the group's sum of x,
-        sum_k x_k (q_k - z) s = s * dot - s * (OFFSET + z) * X: two FMAs an output element a group fold each
-        group into the accumulator (`_packed_group`)."""
+        Each chunk's `[BLOCK_N, G]` words are loaded once; shift i and a mask give group i of the chunk (a plain
+        tile in the words' own layout: no reordering), dequantized by one FMA with its rows' scale and scale x
+        zero, rounded to x's dtype and multiplied on tensor cores by x's columns of that group."""
         rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
         part = tl.program_id(2)
         dtype = x_ptr.dtype.element_ty
-        if dtype == tl.bfloat16:
-            offset = 128.0
-        elif dtype == tl.float16:
-            offset = 1024.0
-        else:
-            offset = 0.0
-        CHUNKS: tl.constexpr = BLOCK_K // (4 * G)
-        HALF: tl.constexpr = G // 2
-        chunks = WORDS // HALF
+        CHUNKS: tl.constexpr = BLOCK_K // (8 * G)
+        chunks = WORDS // G
         width = tl.cdiv(tl.cdiv(chunks, SPLIT_K), CHUNKS) * CHUNKS
-        ones = tl.full((G, BLOCK_N), 1.0, dtype)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for c0 in range(part * width, tl.minimum(part * width + width, chunks), CHUNKS):
             for c in tl.static_range(CHUNKS):
                 chunk = c0 + c
-                words = chunk * HALF + tl.arange(0, HALF)
+                words = chunk * G + tl.arange(0, G)
                 packed = tl.load(w_ptr + rows[:, None] * WORDS + words[None, :],
                                  mask=row_ok[:, None] & (words < WORDS)[None, :], other=0,
                                  eviction_policy="evict_first")
-                pair = 8 * chunk + tl.arange(0, 8)  # BLOCK_K may reach past the last chunk
-                pairs = tl.load(p_ptr + rows[:, None] * (8 * chunks) + pair[None, :],
-                                mask=row_ok[:, None] & (pair < 8 * chunks)[None, :], other=0.0).to(tl.float32)
-                s, z = tl.split(pairs.reshape(BLOCK_N, 4, 2))
-                s0, s1, s2, s3 = _quarters(s, BLOCK_N)
-                sz0, sz1, sz2, sz3 = _quarters(s * (z + offset), BLOCK_N)
-                acc = _packed_group(acc, x_ptr, xs_ptr, tokens, token_ok, K, 4 * chunk + 0, packed, s0, sz0, ones,
-                                    0, G, BLOCK_N, HAS_INPUT_SCALE, GATED, PRECISION)
-                acc = _packed_group(acc, x_ptr, xs_ptr, tokens, token_ok, K, 4 * chunk + 1, packed, s1, sz1, ones,
-                                    4, G, BLOCK_N, HAS_INPUT_SCALE, GATED, PRECISION)
-                acc = _packed_group(acc, x_ptr, xs_ptr, tokens, token_ok, K, 4 * chunk + 2, packed, s2, sz2, ones,
-                                    8, G, BLOCK_N, HAS_INPUT_SCALE, GATED, PRECISION)
-                acc = _packed_group(acc, x_ptr, xs_ptr, tokens, token_ok, K, 4 * chunk + 3, packed, s3, sz3, ones,
-                                    12, G, BLOCK_N, HAS_INPUT_SCALE, GATED, PRECISION)
+                for i in tl.static_range(8):
+                    group = chunk * 8 + i
+                    cols = group * G + tl.arange(0, G)
+                    x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE, GATED)
+                    group_ok = row_ok & (rows * 0 + group < NG)  # a tensor: the interpreter masks no scalars
+                    s = tl.load(s_ptr + rows * NG + group, mask=group_ok, other=0.0).to(tl.float32)
+                    z = tl.load(z_ptr + rows * NG + group, mask=group_ok, other=0.0).to(tl.float32)
+                    w = _exact_float((packed >> (4 * i)) & 15, 0.0) * s[:, None] - (z * s)[:, None]
+                    acc = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
         _store_tile(acc, b_ptr, y_ptr, rows, row_ok, tokens, token_ok, N, part, HAS_BIAS, SPLIT_K)
 
     @triton.jit
@@ -643,10 +573,10 @@ if triton is not None:
         return kept or configs[:1]
 
     def _fits_packed(configs, named_args, **kwargs):
-        """Packed tiles no taller than the rows (as `_fits_rows`) whose BLOCK_K is whole chunks of 4 groups."""
+        """Packed tiles no taller than the rows (as `_fits_rows`) whose BLOCK_K is whole chunks of 8 groups."""
         group = named_args.get("G", kwargs.get("G", 128))
-        kept = [c for c in _fits_rows(configs, named_args, **kwargs) if c.kwargs["BLOCK_K"] % (4 * group) == 0]
-        return kept or [triton.Config(configs[0].kwargs | {"BLOCK_K": 4 * group}, num_warps=configs[0].num_warps,
+        kept = [c for c in _fits_rows(configs, named_args, **kwargs) if c.kwargs["BLOCK_K"] % (8 * group) == 0]
+        return kept or [triton.Config(configs[0].kwargs | {"BLOCK_K": 8 * group}, num_warps=configs[0].num_warps,
                                       num_stages=configs[0].num_stages)]
 
     def _tuned(name: str, tiles, fma: bool, split: bool):
@@ -705,9 +635,9 @@ if triton is not None:
             do_bench=_bench)(_packed_kernel))
 
     # split -> the autotuned packed kernel: 16 to 64 rows (1 row padded to 16) in 16- or 32-row tiles (64-row ones
-    # take Hopper's wgmma, whose shared buffers exceed 228 KB at 1024 columns; 32-row ones fit at 2 stages with
-    # the gate's two loads), whole chunks of K (a chunk is 512 columns at LLaVA's group of 128, 128 at a group of
-    # 32), split K for products with few output tiles; few shapes: each is compiled and timed per key
+    # take Hopper's wgmma, whose shared buffers exceed 228 KB at a chunk of 1024 columns; 32-row ones fit at 2
+    # stages with the gate's two loads), whole chunks of K (a chunk is 1024 columns at LLaVA's group of 128, 256 at
+    # a group of 32), split K for products with few output tiles; few shapes: each is compiled and timed per key
     _TUNED_PACKED = {
         False: _tuned_packed("quant_packed", (
             (16, 32, 1024, 1, 4, 3), (16, 64, 1024, 1, 4, 2), (16, 128, 1024, 1, 8, 2), (16, 64, 2048, 1, 4, 2),
