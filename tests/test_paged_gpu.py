@@ -2,7 +2,7 @@
 
 - the decode and chunk kernels in bfloat16 (and on float8 blocks) within 1e-2 of the gather + SDPA reference in
   float32, on the GPU (their key splits merged by a second kernel or in place, the latter the same on every
-  run), every chunk configuration (64 or 128 queries a program) over a long prefix and a short one;
+  run), every chunk configuration (64 or 128 queries a program) over a long prefix;
 - float32 greedy tokens through captured steps (prompts chunked onto running decode steps, a reused prefix, a
   4k-position prompt) equal the CPU's static cache;
 - float8 KV logits within 5% (relative norm) of bfloat16 KV logits through captured steps;
@@ -82,14 +82,13 @@ def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
 
 
 @pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("start, count", [(2611, 389), (614, 85)], ids=["long prefix", "second question"])
 @torch.inference_mode()
-def test_every_chunk_configuration_matches_the_reference_after_a_prefix(fp8, start, count):
+def test_every_chunk_configuration_matches_the_reference_over_a_long_prefix(fp8):
     """Each chunk-kernel configuration, in bfloat16 (and on float8 blocks), for
-    an unaligned 389-query chunk after 2,611 cached positions (LLaVA's 32 heads of 128), or a second question's 85
-    after an image's 614, its keys in up to 1 to 8 splits (the short chunk's programs use two), merged in place."""
+    an unaligned 389-query chunk after 2,611 cached positions (LLaVA's 32 heads of 128), its keys in 1 to 4
+    splits, merged in place."""
     generator = torch.Generator("cuda").manual_seed(1)
-    block_size, width, heads, dim = 16, 188, 32, 128
+    block_size, width, heads, dim, start, count = 16, 188, 32, 128, 2611, 389
     cache = _random_cache(width + 1, block_size, heads, dim, fp8, generator)
     k, v, layer_scales = cache.layer(0)
     tables = (torch.randperm(width, device="cuda", generator=generator) + 1).view(1, width).int()
@@ -104,7 +103,7 @@ def test_every_chunk_configuration_matches_the_reference_after_a_prefix(fp8, sta
     try:
         for config in paged_triton._CHUNK_CONFIGS:
             tuned.configs, tuned.cache = [config], {}
-            for splits in (1, 2, 4, 8):
+            for splits in (1, 2, 4):
                 got = paged_triton.chunk(query, k, v, tables, tiles, layer_scales, None, splits, cache.counters)
                 assert relative_error(got, expected) < 1e-2, f"{config}, {splits} splits"
                 assert not cache.counters.any()

@@ -116,14 +116,13 @@ def test_decode_kernel_matches_the_reference(kernels, decode_order, dtype, group
 @pytest.mark.parametrize("dtype, groups, per_group, dim, block_size, fp8", SHAPES)
 @pytest.mark.parametrize("splits, window, merged_in_place", [(1, None, False), (1, 11, False), (3, None, False),
                                                              (4, 11, False), (3, None, True), (4, 11, True)])
-def test_chunk_kernel_matches_the_reference(kernels, chunk_rows, monkeypatch, dtype, groups, per_group, dim,
-                                            block_size, fp8, splits, window, merged_in_place):
+def test_chunk_kernel_matches_the_reference(kernels, chunk_rows, dtype, groups, per_group, dim, block_size, fp8,
+                                            splits, window, merged_in_place):
     """Three sequences of one chunk, two starting after cached positions (one past two whole key tiles, which the
     kernel reads unmasked), with padding after them; the tiles as the step builds them (at most CHUNK_TILE queries
     each: a whole one and a short one, one unused), each taken by one program or two (the second of a short tile
     idle); with splits, each tile's keys cut into parts merged after, by a second kernel or by each program's last
-    part (some parts without a key; every part used, whatever its keys)."""
-    monkeypatch.setattr(kernels, "MIN_SPLIT_KEYS", 1)
+    part (some parts without a key)."""
     width = -(-(kernels.CHUNK_TILE + 160) // block_size)
     cache = _cache(dtype, groups, dim, block_size, blocks=3 * width + 1, fp8=fp8)
     tables = _tables(3, width, cache.num_blocks, seed=3)
@@ -146,77 +145,6 @@ def test_chunk_kernel_matches_the_reference(kernels, chunk_rows, monkeypatch, dt
         torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
         assert not got[covered:].any()  # padding queries no tile covers
     assert not cache.counters.any()
-
-
-def _splits_used(kernels, tiles: torch.Tensor, rows: int, splits: int, window: int | None) -> list[int]:
-    """The splits each query's program fills (``rows`` queries a program, the configuration's key tiles): one per
-    `MIN_SPLIT_KEYS` of its keys, from the first (or its window's first key tile) to its last query's."""
-    block_n = kernels._CHUNK_CONFIGS[0].kwargs["BLOCK_N"]
-    used = []
-    for _, _, count, start in tiles.tolist():
-        for query in range(count):
-            part = query // rows * rows
-            end = start + part + min(count - part, rows)
-            first = 0 if window is None else max(start + part - window, 0) // block_n * block_n
-            used.append(min(splits, -(-(end - first) // kernels.MIN_SPLIT_KEYS)))
-    return used
-
-
-@pytest.mark.parametrize("dtype, groups, per_group, dim, block_size, fp8", [SHAPES[0], SHAPES[1], SHAPES[5]])
-@pytest.mark.parametrize("splits, window, merged_in_place", [(2, None, False), (4, None, True), (8, None, False),
-                                                             (8, 300, True)])
-def test_a_chunk_program_uses_the_splits_its_keys_fill(kernels, chunk_rows, monkeypatch, dtype, groups, per_group,
-                                                       dim, block_size, fp8, splits, window, merged_in_place):
-    """A second question's 85 queries after 614 cached positions fill two splits of 512 keys (or one, in a window),
-    40 after 1,100 three: the other splits read nothing and store no partial (their buffers left as they
-    were, here NaN), only an empty softmax; the merge (in place, or by a second kernel) skips them and matches the
-    reference, the tickets left at zero (512 keys a split here: the engine's are more)."""
-    monkeypatch.setattr(kernels, "MIN_SPLIT_KEYS", 512)
-    sequences = ((0, 85, 614), (85, 40, 1100))  # (first query, count, first position)
-    width = -(-1140 // block_size)
-    cache = _cache(dtype, groups, dim, block_size, blocks=2 * width + 1, fp8=fp8)
-    tables = _tables(2, width, cache.num_blocks, seed=6)
-    tiles = torch.tensor([[index, first, count, start] for index, (first, count, start) in enumerate(sequences)],
-                         dtype=torch.int32)
-    query = torch.randn(125, groups * per_group, dim, generator=torch.Generator().manual_seed(7)).to(dtype)
-    chunk = Chunk(tables=tables, blocks=None, offsets=None, tiles=tiles, sequences=sequences)
-    k, v, scales = cache.layer(0)
-    expected = paged_attention._chunk_reference(query, k, v, chunk, scales, window)
-    used = torch.tensor(_splits_used(kernels, tiles, chunk_rows, splits, window))
-    assert bool((used < splits).any()) == (splits > 2 or window is not None)  # two splits: all used
-    buffers = []
-
-    def poisoned(*shape_and_device):
-        target, lse = real(*shape_and_device)
-        buffers.append((target.fill_(float("nan")), lse.fill_(float("nan"))))
-        return target, lse
-
-    real = kernels._split_outputs
-    monkeypatch.setattr(kernels, "_split_outputs", poisoned)
-    tolerance = 1e-5 if dtype == torch.float32 else 2e-3
-    for _ in range(2 if merged_in_place else 1):
-        got = kernels.chunk(query, k, v, tables, tiles, scales, window, splits,
-                            cache.counters if merged_in_place else None)
-        torch.testing.assert_close(got.float(), expected.float(), rtol=tolerance, atol=tolerance)
-    assert not cache.counters.any()
-    target, lse = buffers[-1]
-    unused = torch.arange(splits)[None, :] >= used[:, None]  # [query, split]
-    assert torch.isnan(target[unused[:, None, :].expand(-1, target.shape[1], -1)]).all()
-    assert not torch.isnan(target[~unused[:, None, :].expand(-1, target.shape[1], -1)]).any()
-    assert (lse.transpose(1, 2)[unused] == float("-inf")).all()
-
-
-def test_the_representative_chunk_fills_every_split():
-    """The chunk the configurations are timed on starts late enough for its programs' keys (64 queries) to fill
-    every split the call's kind has (a short one's splits go unused), within the row's capacity."""
-    from exporter.llm import paged_triton
-
-    for splits in (1, 2, 4, 8, 16):
-        tiles = paged_triton._prefix_tiles(200, 2, 1 << 16, splits, torch.device("cpu"))
-        assert -(-(int(tiles[0, 3]) + 64) // paged_triton.MIN_SPLIT_KEYS) >= splits
-        assert int(tiles[0, 3]) >= paged_triton.TUNE_PREFIX
-    tiles = paged_triton._prefix_tiles(200, 2, 5000, 16, torch.device("cpu"))
-    assert int(tiles[1, 3] + tiles[1, 2]) == 5000
 
 
 def test_the_configurations_are_timed_once_per_kind_of_call_on_representative_work(monkeypatch):
@@ -255,7 +183,7 @@ def test_the_representative_work_stays_within_the_pool_and_the_tables(kernels):
     k, v, _ = cache.layer(0)
     tables = paged_triton._spread_tables(torch.zeros(3, width, dtype=torch.int32), cache.num_blocks)
     assert tables.min() >= 1 and tables.max() < cache.num_blocks
-    tiles = paged_triton._prefix_tiles(100, 3, width * block_size, 2, torch.device("cpu"))
+    tiles = paged_triton._prefix_tiles(100, 3, width * block_size, torch.device("cpu"))
     used = tiles[tiles[:, 0] >= 0]
     assert used[:, 2].sum() == 48 and used[-1, 3] + used[-1, 2] == width * block_size  # the row's last position
     query = torch.randn(100, 4, 16, generator=torch.Generator().manual_seed(5))

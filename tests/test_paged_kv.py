@@ -16,7 +16,7 @@ from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.paged_attention import FP8_DTYPE, PagedBatch, PagedKVCache, paged_attention
 from exporter.llm.paged_triton import split_count
 from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, SMALLEST_SHARE, ChunkPacer
-from exporter.runtime.cuda_graphs import CHUNK_SPLITS, Piece, chunk_bucket_sizes, chunk_splits
+from exporter.runtime.cuda_graphs import Piece, chunk_bucket_sizes
 from exporter.models import PromptLayout
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
 from exporter.runtime.pipeline import MediaNumbers, prompt_prefix
@@ -62,18 +62,6 @@ def test_the_kernels_split_keys_into_the_most_parts_that_fit_one_wave():
     assert split_count(32, 264, 16) == 8  # not 9: 288 programs would start a second wave for 24 of them
     assert split_count(96, 264, 16) == 2 and split_count(192, 264, 16) == 1
     assert split_count(2048, 264, 16) == 1 and split_count(1, 264, 16) == 16
-
-
-def test_a_chunk_of_few_query_tiles_splits_its_keys_and_a_wide_one_does_not(monkeypatch):
-    """On a GPU of 132 SMs with 32 heads: up to 4 tiles (512 queries) take CHUNK_SPLITS key parts, more take one;
-    the CPU never splits."""
-    class Properties:
-        multi_processor_count = 132
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
-    cuda = torch.device("cuda")
-    assert [chunk_splits(tiles, 32, cuda) for tiles in (1, 2, 4, 5, 8, 16)] == [CHUNK_SPLITS] * 3 + [1] * 3
-    assert CHUNK_SPLITS == 4 and chunk_splits(1, 32, torch.device("cpu")) == 1
 
 
 def test_prefix_keys_chain_every_position_before_them():

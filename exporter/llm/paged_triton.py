@@ -17,8 +17,7 @@ final output, never applied per element. A float8 cache's decode tiles take twic
   some 2 µs of a batch-1 step each).
 - `chunk`: query tiles of consecutive prompt positions of one row (a `tiles` table: sequence, first query, count,
   first position; the host cuts them `CHUNK_TILE` queries long), each attending causally to the row's blocks up to
-  its own position; its key splits (a few tiles over a long prefix) merged the same way, per (program, head), of
-  which a program uses one per `MIN_SPLIT_KEYS` of its keys (a short prefix: fewer partials written and merged). A
+  its own position; its key splits (a few tiles over a long prefix) merged the same way, per (tile, head). A
   program takes `BLOCK_M` queries of a tile (a configuration's; 64: a tile is two programs).
 """
 
@@ -42,11 +41,7 @@ except ImportError:  # no Triton: the reference path in exporter.llm.paged_atten
 
 CHUNK_TILE = 128  # query positions per chunk tile (the host cuts sequences into tiles of at most this size)
 TUNE_CONTEXT = 1024  # the positions of each decode row while the decode kernel's configurations are timed
-TUNE_PREFIX = 4096  # the cached positions (at least) before a chunk while the chunk kernel's configurations are timed
-# a chunk program's keys per split it uses (one more from the first key on; at most `splits`). H200, each chunk alone
-# at 1/2/4/8 splits: 602 queries after 96 positions took 38/50/77/140 us, 2,048 after 0 166/192/266/438 us, 120
-# after 16,000 436/209/132/149 us: a split pays off only with thousands of keys to read
-MIN_SPLIT_KEYS = 4096
+TUNE_PREFIX = 4096  # the cached positions before a chunk while the chunk kernel's configurations are timed
 TUNE_MIN_BLOCKS = 256  # the smallest pool the configurations are timed over (a smaller one stays in the L2 cache)
 _LOG2E = 1.4426950408889634
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -138,20 +133,18 @@ def chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scales
           window: int | None, splits: int = 1, counters: Tensor | None = None) -> Tensor:
     """Causal attention of prompt positions `q [C, heads, d]` over their rows' blocks. `tiles [T, 4]` int32: per
     tile (sequence s or -1, first query index, query count <= CHUNK_TILE, position of that first query); sequence
-    s reads blocks `tables[s]`. With `splits > 1` each program's keys are cut into up to that many parts (a few
-    tiles over a long prefix still keep every SM busy), one per `MIN_SPLIT_KEYS` of them (a short prefix: fewer
-    partials to write and merge; the other parts do nothing), merged as `decode` merges its splits (in place with
-    `counters`, at least `T x heads` times the programs a tile may take, `CHUNK_TILE / 64`). Queries no tile
-    covers come back as zeros. The first call of its kind first times the kernel's configurations on the chunk's
-    queries after `TUNE_PREFIX` cached positions, or enough for every split to be used."""
+    s reads blocks `tables[s]`. With `splits > 1` each tile's keys are cut into that many parts (a few tiles over a
+    long prefix still keep every SM busy), merged as `decode` merges its splits (in place with `counters`, at
+    least `T x heads` times the programs a tile may take, `CHUNK_TILE / 64`). Queries no tile covers come back as
+    zeros. The first call of its kind first times the kernel's configurations on the chunk's queries after
+    `TUNE_PREFIX` cached positions."""
     q = q.contiguous()
     if q.shape[0] and tiles.shape[0]:
         _tune_first(("chunk", q.shape[1:], q.dtype, k.shape[1:], k.dtype, k.stride(), tables.shape[1],
                      tables.dtype, scales is not None, splits, window is not None,
                      _merges_in_place(counters, tiles.shape[0], q.shape[1]), q.device),
                     k.shape[0], lambda: _chunk(q, k, v, _spread_tables(tables, k.shape[0]),
-                                   _prefix_tiles(q.shape[0], tiles.shape[0], tables.shape[1] * k.shape[1], splits,
-                                                 q.device),
+                                   _prefix_tiles(q.shape[0], tiles.shape[0], tables.shape[1] * k.shape[1], q.device),
                                    scales, window, splits, counters))
     return _chunk(q, k, v, tables, tiles, scales, window, splits, counters)
 
@@ -169,7 +162,8 @@ def _chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scale
     if splits <= 1:
         target, lse, target_strides = out, out, (out.stride(0), out.stride(1), 0)
     else:  # every split's partial output; for a merge kernel, queries no tile covers keep no weight (-inf): zeros
-        target, lse = _split_outputs(tokens, heads, splits, dim, q.device)
+        target = torch.empty(tokens, heads, splits, dim, dtype=torch.float32, device=q.device)
+        lse = torch.empty(tokens, heads, splits, dtype=torch.float32, device=q.device)
         if not merge:
             lse.fill_(float("-inf"))
         target_strides = (target.stride(0), target.stride(1), target.stride(2))
@@ -178,18 +172,11 @@ def _chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scale
         q, k, v, tables, tiles, k_scale, v_scale, target, lse, out, counters if merge else out, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0), *target_strides, tables.shape[1],
         window or 0, _LOG2E / math.sqrt(dim), QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1],
-        TILE=CHUNK_TILE, SPLITS=splits, MIN_KEYS=MIN_SPLIT_KEYS, FP8=fp8, WINDOWED=window is not None,
-        PRECISION=_precision(q.dtype), MERGE=merge)
+        TILE=CHUNK_TILE, SPLITS=splits, FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype),
+        MERGE=merge)
     if splits > 1 and not merge:
         _merge(target, lse, out, splits)
     return out
-
-
-def _split_outputs(tokens: int, heads: int, splits: int, dim: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """A chunk's buffers for its splits' partial outputs ``[tokens, heads, splits, dim]`` and their softmax log-mass
-    ``[tokens, heads, splits]``, float32, not initialized (an unused split writes no partial)."""
-    return (torch.empty(tokens, heads, splits, dim, dtype=torch.float32, device=device),
-            torch.empty(tokens, heads, splits, dtype=torch.float32, device=device))
 
 
 def _merges_in_place(counters: Tensor | None, tiles: int, heads: int) -> bool:
@@ -247,12 +234,11 @@ def _spread_tables(like: Tensor, blocks: int) -> Tensor:
     return spread.to(like.dtype).view(like.shape)
 
 
-def _prefix_tiles(tokens: int, count: int, capacity: int, splits: int, device: torch.device) -> Tensor:
-    """``count`` chunk tiles: one sequence of up to ``tokens`` queries after up to ``TUNE_PREFIX`` cached positions,
-    or more where its programs' keys would fill fewer than ``splits`` splits (`MIN_SPLIT_KEYS`), within a row's
-    ``capacity``; unused tiles after it."""
+def _prefix_tiles(tokens: int, count: int, capacity: int, device: torch.device) -> Tensor:
+    """``count`` chunk tiles: one sequence of up to ``tokens`` queries after up to ``TUNE_PREFIX`` cached positions
+    (within a row's ``capacity``), unused tiles after it."""
     queries = min(tokens, count * CHUNK_TILE, capacity)
-    start = max(0, min(max(TUNE_PREFIX, splits * MIN_SPLIT_KEYS), capacity - queries))
+    start = max(0, min(TUNE_PREFIX, capacity - queries))
     tiles = torch.full((count, 4), -1, dtype=torch.int32)
     for index, offset in enumerate(range(0, queries, CHUNK_TILE)):
         tiles[index] = torch.tensor([0, offset, min(CHUNK_TILE, queries - offset), start + offset])
@@ -390,14 +376,13 @@ if triton is not None:
                       DP: tl.constexpr, SPLITS: tl.constexpr):
         """The splits' partial outputs (``partial_ptrs + split * stride_os``, read past the L1 cache: other
         programs wrote them) weighted by their share of the softmax mass (``lse_ptrs + split``), into
-        ``out_ptrs``; a split without keys (lse -inf) is not read (a chunk's unused split stores no partial)."""
+        ``out_ptrs``."""
         running = tl.full((ROWS,), -1e30, dtype=tl.float32)
         mass = tl.zeros((ROWS,), dtype=tl.float32)
         acc = tl.zeros((ROWS, DP), dtype=tl.float32)
         for split in tl.static_range(SPLITS):
             lse = tl.load(lse_ptrs + split, mask=rows_ok, other=float("-inf"), cache_modifier=".cg")
-            partial = tl.load(partial_ptrs + split * stride_os, mask=mask & (lse > float("-inf"))[:, None],
-                              other=0.0, cache_modifier=".cg")
+            partial = tl.load(partial_ptrs + split * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
             new = tl.maximum(running, lse)
             alpha = tl.exp2(running - new)
             weight = tl.where(lse > float("-inf"), tl.exp2(lse - new), 0.0)
@@ -432,9 +417,8 @@ if triton is not None:
                             merged_ptr, counters_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                             stride_tr, stride_ot, stride_oh, stride_os, max_blocks, window, scale, QPG: tl.constexpr,
                             D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                            MIN_KEYS: tl.constexpr, FP8: tl.constexpr, WINDOWED: tl.constexpr,
-                            PRECISION: tl.constexpr, MERGE: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
+                            WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr):
         """One (``BLOCK_M`` queries of a ``TILE``-query tile, head, split): causal online softmax over the split's
         share of those queries' keys (with ``MERGE``, the last split to finish merges them into ``merged_ptr``,
         laid out as ``q``). A tile's part past its query count does nothing."""
@@ -455,17 +439,13 @@ if triton is not None:
             d = tl.arange(0, DP)
             d_ok = d < D
             tokens = (first + rows).to(tl.int64)
+            q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+            q = _compute_q(q, FP8)
             end = start + count
             lo = 0
             if WINDOWED:
                 lo = (tl.maximum(start - window, 0) // BLOCK_N) * BLOCK_N
-            # the splits this program's keys fill, at least MIN_KEYS each: a split past them starts past the last
-            # key and reads nothing (not even its queries), stores no partial, only lse -inf, and takes its ticket
-            used = tl.minimum(tl.cdiv(end - lo, MIN_KEYS), SPLITS)
-            written = rows < tl.where(split < used, count, 0)  # the queries this split reads and stores
-            q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + d[None, :],
-                        mask=written[:, None] & d_ok[None, :], other=0.0)
-            q = _compute_q(q, FP8)
             qk_scale, m, total, acc = _softmax_start(scale, k_scale_ptr, group, BLOCK_M, DP, FP8)
             table_row = sequence.to(tl.int64) * stride_tr
             # whole key tiles before the tile's first query: every query attends to every key, no mask to apply
@@ -473,7 +453,7 @@ if triton is not None:
             diagonal = lo
             if not WINDOWED:
                 diagonal = (start // BLOCK_N) * BLOCK_N
-            per_split = tl.cdiv(tl.cdiv(end - lo, BLOCK_N), used) * BLOCK_N
+            per_split = tl.cdiv(tl.cdiv(end - lo, BLOCK_N), SPLITS) * BLOCK_N
             lo = lo + split * per_split
             hi = tl.minimum(lo + per_split, end)
             for key_start in range(lo, tl.minimum(hi, diagonal), BLOCK_N):
@@ -495,7 +475,7 @@ if triton is not None:
             if SPLITS == 1:
                 tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
             else:
-                tl.store(out, acc, mask=written[:, None] & d_ok[None, :])
+                tl.store(out, acc, mask=row_ok[:, None] & d_ok[None, :])
                 lse = tl.where(found, m + tl.log2(tl.where(found, total, 1.0)), float("-inf"))
                 tl.store(lse_ptr + (tokens * tl.num_programs(1) + head) * SPLITS + split, lse, mask=row_ok)
                 if MERGE:

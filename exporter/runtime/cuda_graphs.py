@@ -47,27 +47,11 @@ def chunk_bucket_sizes(limit: int) -> list[int]:
 
 
 def decode_splits(rows: int, heads: int, device: torch.device) -> int:
-    """Parts the decode kernel cuts the keys of each of its ``rows x heads`` programs into (rows and KV heads):
-    enough programs for two per SM."""
+    """Parts the attention kernel cuts the keys of each of its ``rows x heads`` programs into (decode: rows and KV
+    heads; a chunk: query tiles and heads): enough programs for two per SM."""
     if device.type != "cuda":
         return 1
     return split_count(rows * heads, 2 * torch.cuda.get_device_properties(device).multi_processor_count, MAX_SPLITS)
-
-
-CHUNK_SPLITS = 4  # key splits of a chunk of few query tiles (`chunk_splits`)
-
-
-def chunk_splits(tiles: int, heads: int, device: torch.device) -> int:
-    """Parts the chunk kernel cuts each (query tile, head)'s keys into: ``CHUNK_SPLITS`` where the chunk's
-    ``tiles x heads`` are no more than the GPU's SMs, else one. Measured on the H200 (LLaVA-7B heads, each chunk
-    kernel alone in a step graph's launch, 1/2/4/8 splits): 85 queries after 614 positions 24/22/27/41 us, 120
-    after 16,000 436/209/132/149 us, 384 after 16,000 443/397/324/364 us; 602 after 96 38/50/77/140 us and 2,048
-    after 0 166/192/266/438 us. The old rule (``decode_splits``'s one wave of two programs an SM, counting a tile as
-    one program where its 64-query configurations make two) gave 8, 8, 2, 1, 1. Of these splits the kernel uses
-    one per ``paged_triton.MIN_SPLIT_KEYS`` of a program's keys (a short prefix: one)."""
-    if device.type != "cuda":
-        return 1
-    return CHUNK_SPLITS if tiles * heads <= torch.cuda.get_device_properties(device).multi_processor_count else 1
 
 
 def _always() -> bool:
@@ -501,8 +485,8 @@ class ForwardStep:
         prompt = None
         if chunk is not None:  # its kernel's splits: as many as its tokens in whole query tiles need
             tiles = -(-len(chunk.positions) // CHUNK_TILE)
-            prompt = replace(chunk.chunk, splits=chunk_splits(tiles, self.model.config.num_attention_heads,
-                                                              self.model.device))
+            prompt = replace(chunk.chunk, splits=decode_splits(tiles, self.model.config.num_attention_heads,
+                                                               self.model.device))
         batch = PagedBatch(self.cache, rows, self.tables, state[POSITION, :rows], span,
                            self.splits.get(rows, 1), prompt)
         logits = self.model(self._embeddings(embeds)[:, None], torch.cat(positions)[:, None], batch,
