@@ -16,7 +16,7 @@ from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.paged_attention import FP8_DTYPE, PagedBatch, PagedKVCache, paged_attention
 from exporter.llm.paged_triton import split_count
 from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, SMALLEST_SHARE, ChunkPacer
-from exporter.runtime.cuda_graphs import CHUNK_MAX_SPLITS, Piece, chunk_bucket_sizes, decode_splits
+from exporter.runtime.cuda_graphs import Piece, chunk_bucket_sizes
 from exporter.models import PromptLayout
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
 from exporter.runtime.pipeline import MediaNumbers, prompt_prefix
@@ -62,20 +62,6 @@ def test_the_kernels_split_keys_into_the_most_parts_that_fit_one_wave():
     assert split_count(32, 264, 16) == 8  # not 9: 288 programs would start a second wave for 24 of them
     assert split_count(96, 264, 16) == 2 and split_count(192, 264, 16) == 1
     assert split_count(2048, 264, 16) == 1 and split_count(1, 264, 16) == 16
-
-
-def test_a_chunk_takes_at_most_four_key_splits_and_decode_rows_up_to_sixteen(monkeypatch):
-    """On a GPU of 132 SMs (264 programs a wave) with 32 heads: one query tile alone would take 8 splits; a chunk's
-    cap keeps it to 4, wider chunks take what fits one wave, and the CPU never splits."""
-    class Properties:
-        multi_processor_count = 132
-
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: Properties())
-    cuda = torch.device("cuda")
-    assert CHUNK_MAX_SPLITS == 4
-    assert [decode_splits(tiles, 32, cuda, CHUNK_MAX_SPLITS) for tiles in (1, 2, 3, 4, 8)] == [4, 4, 2, 2, 1]
-    assert decode_splits(1, 32, cuda) == 8 and decode_splits(1, 8, cuda) == 16
-    assert decode_splits(1, 32, torch.device("cpu"), CHUNK_MAX_SPLITS) == 1
 
 
 def test_prefix_keys_chain_every_position_before_them():

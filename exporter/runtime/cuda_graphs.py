@@ -46,18 +46,12 @@ def chunk_bucket_sizes(limit: int) -> list[int]:
     return sorted(sizes)
 
 
-CHUNK_MAX_SPLITS = 4  # a chunk's key splits at most (`decode_splits`)
-
-
-def decode_splits(rows: int, heads: int, device: torch.device, most: int = MAX_SPLITS) -> int:
+def decode_splits(rows: int, heads: int, device: torch.device) -> int:
     """Parts the attention kernel cuts the keys of each of its ``rows x heads`` programs into (decode: rows and KV
-    heads; a chunk: query tiles and heads, at most ``CHUNK_MAX_SPLITS``): enough programs for two per SM, at most
-    ``most``. A chunk's cap, measured on an H200 (each chunk kernel alone in a step graph's launch, LLaVA-7B's 32
-    heads): a one-tile chunk took 8 splits uncapped, and 4 ran it faster after a short prefix and a long one alike
-    (85 queries after 614 positions 41 -> 27 us, 120 after 16,000 149 -> 132 us); wider chunks take fewer anyway."""
+    heads; a chunk: query tiles and heads): enough programs for two per SM."""
     if device.type != "cuda":
         return 1
-    return split_count(rows * heads, 2 * torch.cuda.get_device_properties(device).multi_processor_count, most)
+    return split_count(rows * heads, 2 * torch.cuda.get_device_properties(device).multi_processor_count, MAX_SPLITS)
 
 
 def _always() -> bool:
@@ -492,7 +486,7 @@ class ForwardStep:
         if chunk is not None:  # its kernel's splits: as many as its tokens in whole query tiles need
             tiles = -(-len(chunk.positions) // CHUNK_TILE)
             prompt = replace(chunk.chunk, splits=decode_splits(tiles, self.model.config.num_attention_heads,
-                                                               self.model.device, CHUNK_MAX_SPLITS))
+                                                               self.model.device))
         batch = PagedBatch(self.cache, rows, self.tables, state[POSITION, :rows], span,
                            self.splits.get(rows, 1), prompt)
         logits = self.model(self._embeddings(embeds)[:, None], torch.cat(positions)[:, None], batch,
