@@ -281,12 +281,16 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
-def bench_main(doc: str, name: str, run_bench: Callable[[bool], dict], report_of: Callable[[dict], str]) -> None:
-    """A bench's command line: ``--tiny`` or not, then ``$OUT/<name>.json`` written and the report printed."""
+def bench_main(doc: str, name: str, run_bench: Callable[..., dict], report_of: Callable[[dict], str],
+               add_options: Callable[[argparse.ArgumentParser], object] | None = None) -> None:
+    """A bench's command line: ``--tiny`` or not (and the options ``add_options`` adds, passed to ``run_bench`` by
+    name), then ``$OUT/<name>.json`` written and the report printed."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test, no timing value)")
-    args = parser.parse_args()
-    result = run_bench(args.tiny)
+    if add_options is not None:
+        add_options(parser)
+    options = vars(parser.parse_args())
+    result = run_bench(options.pop("tiny"), **options)
     save_result(name, result)
     print(report_of(result))
 

@@ -18,11 +18,13 @@ Parts (each runs on its own: one that fails prints its error and the others stil
   host phases (``Pipeline.on_phase``) and the scheduler's milestones on the request's handle.
 
     python bench/paged_bench.py            # CUDA (the H100), a few minutes; prints the table, writes $OUT/paged_bench.json
+    python bench/paged_bench.py --parts long mixed ttft   # some parts only (an A/B of a change in ~1 minute)
     python bench/paged_bench.py --tiny     # tiny shapes on the CPU in float32: checks that the script runs
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import gc
 import io
@@ -32,7 +34,7 @@ import string
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import numpy as np
 import torch
@@ -66,11 +68,15 @@ SCHEDULER_PHASES = ("loop wake-up", "admission (prefix match, blocks)", "plannin
 BEFORE = {"decode_bs1_ms": 5.55, "ttft_first_ms": 17.44, "ttft_second_ms": 18.7}
 CONTEXT, NEW_TOKENS = 608, 128
 LIMIT_SWEEP = (2.0, 1.9, 1.5)  # the chunk pacer's limits the long prompt's part is run again at (CUDA)
+# the parts, in the order they run: the bf16 cache's decode rows (1, 64, 128), 128 concurrent requests, the long
+# prompt beside decoding rows, the same at the pacer limits of LIMIT_SWEEP, the mixed steps timed alone; the fp8
+# cache's decode rows; the TTFT questions
+PARTS = ("decode", "concurrent", "long", "long_limits", "mixed", "fp8", "ttft")
 SIZES = {"full": dict(rows=(64, 128), concurrent=128, long=16_384, beside=16, steps=32, ttft_repeats=10),
          "tiny": dict(rows=(4, 8), concurrent=16, long=2_048, beside=4, steps=8, ttft_repeats=3)}
 
 
-def run(tiny: bool) -> dict:
+def run(tiny: bool, parts: Collection[str] = PARTS) -> dict:
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     sizes = SIZES["tiny" if tiny else "full"]
@@ -81,9 +87,13 @@ def run(tiny: bool) -> dict:
     head = model.embedding.word_embeddings.weight.numel() * model.dtype.itemsize
     result["weights_read_GB"] = (sum(t.numel() * t.element_size() for t in model.state_dict().values()) - head) / 1e9
     long_len = sizes["long"]
-    part(result, "bf16", lambda: _scheduler_parts(model, sizes, result, "auto", CONTEXT + NEW_TOKENS + long_len))
-    part(result, "fp8", lambda: _scheduler_parts(model, sizes, result, "fp8", CONTEXT + 256))
-    part(result, "ttft", lambda: _ttft(model, LLAVA_TINY if tiny else LLAVA, sizes["ttft_repeats"]))
+    if set(parts) - {"fp8", "ttft"}:
+        part(result, "bf16", lambda: _scheduler_parts(model, sizes, result, "auto", CONTEXT + NEW_TOKENS + long_len,
+                                                      parts))
+    if "fp8" in parts:
+        part(result, "fp8", lambda: _scheduler_parts(model, sizes, result, "fp8", CONTEXT + 256, parts))
+    if "ttft" in parts:
+        part(result, "ttft", lambda: _ttft(model, LLAVA_TINY if tiny else LLAVA, sizes["ttft_repeats"]))
     return result
 
 
@@ -105,8 +115,10 @@ def part(result: dict, name: str, fn: Callable[[], dict | None]) -> None:
         print(f"part {name}: {result[f'{name}_part_s']:.1f} s", flush=True)
 
 
-def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, max_seq_len: int) -> dict:
-    """Decode rows (and with the bf16 cache the 128 requests, the long prompt and batch 1) on one scheduler."""
+def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, max_seq_len: int,
+                     parts: Collection[str]) -> dict:
+    """Decode rows (and with the bf16 cache batch 1, the 128 requests, the long prompt and the mixed steps, those of
+    ``parts``) on one scheduler."""
     scheduler = Scheduler(model, max_slots=max(sizes["rows"]), max_seq_len=max_seq_len, eos_id=None,
                           kv_cache=KVCacheOptions(dtype=kv_dtype))
     if kv_dtype == "auto":
@@ -119,19 +131,22 @@ def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, m
     kv_token = kv_bytes_per_token(model) // (2 if kv_dtype == "fp8" else 1)
     try:
         rows_list = ((1,) if kv_dtype == "auto" else ()) + sizes["rows"]
-        for rows in rows_list:
+        for rows in rows_list if kv_dtype == "fp8" or "decode" in parts else ():
             steps = NEW_TOKENS - 1 if rows == 1 else sizes["steps"]
             ms, context = decode_ms(scheduler, rows, steps)
             roofline = (result["weights_read_GB"] * 1e9 + rows * context * kv_token) / (result["copy_TBps"] * 1e12)
             out[f"decode_{kv_dtype}_{rows}_ms"] = ms
             out[f"decode_{kv_dtype}_{rows}_roofline_ms"] = roofline * 1e3
         if kv_dtype == "auto":
-            part(out, "concurrent", lambda: _concurrent(scheduler, sizes["concurrent"]))
-            part(out, "long", lambda: _long_prompt(scheduler, sizes["long"], sizes["beside"]))
-            if scheduler.pacer is not None:
+            if "concurrent" in parts:
+                part(out, "concurrent", lambda: _concurrent(scheduler, sizes["concurrent"]))
+            if "long" in parts:
+                part(out, "long", lambda: _long_prompt(scheduler, sizes["long"], sizes["beside"]))
+            if scheduler.pacer is not None and "long_limits" in parts:
                 part(out, "long_limits", lambda: _limit_sweep(scheduler, sizes["long"], sizes["beside"]))
-            part(out, "mixed", lambda: _mixed_steps(scheduler, sizes["long"], sizes["beside"],
-                                                    scheduler.chunk_budget(decoding=True)))
+            if "mixed" in parts:
+                part(out, "mixed", lambda: _mixed_steps(scheduler, sizes["long"], sizes["beside"],
+                                                        scheduler.chunk_budget(decoding=True)))
             if paged_triton.available() and scheduler.model.device.type == "cuda":
                 out["chunk_configs"] = sorted({f"splits {key[3]}: {config}"
                                                for key, config in paged_triton._chunk_tuned.cache.items()})
@@ -542,5 +557,10 @@ def report(result: dict) -> str:
     return "\n".join(rows)
 
 
+def _add_parts_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="the parts to run (default: all)")
+
+
 if __name__ == "__main__":
-    bench_main(__doc__, "paged_bench", run, report)
+    bench_main(__doc__, "paged_bench", run, report, _add_parts_option)

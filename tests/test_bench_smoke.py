@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
     ("quant_bench.py", ["--methods", "int8_wo", "int4_awq"], "quant_bench.json", "int4_awq"),
     ("quant_kernel_probe.py", [], "quant_kernel_probe.json", "quantized kernel probe"),  # Triton's interpreter
     ("paged_bench.py", [], "paged_bench.json", "concurrent requests"),
+    ("paged_bench.py", ["--parts", "ttft"], "paged_bench.json", "second question's prefill step alone"),
     ("fused_bench.py", [], "fused_bench.json", "a decode step"),  # Triton's interpreter
     ("skinny_probe.py", [], "skinny_probe.json", "rows: cuBLAS"),  # Triton's interpreter
     ("late_reads.py", [], "late_reads.json", "read after the stream began"),  # the demo restarted, to READY
