@@ -1,0 +1,185 @@
+"""Could a long prompt's prefill run beside decoding rows on a second CUDA stream instead of inside their steps?
+
+Issue 14 asks for two things at once while a 16k-position prompt is prefilled beside 16 decoding rows: the rows'
+per-token p99 within 2x of decoding alone, and the prompt's TTFT within 1.3x of its prefill alone. With one step at a
+time (the scheduler's mixed steps) a step held to L times the rows' own adds at most (L - 1) of it in prompt work, so
+the prompt's TTFT is at least about L / (L - 1) times its own (docs/performance.md, twelfth round). A decode step of a
+few rows reads the weights at the memory's speed and leaves the tensor cores idle; a long chunk's products are bound
+by compute. This probe measures how much the two slow each other when they run at the same time on two streams.
+
+Raw torch on LLaVA-1.5-7B's decoder shapes with random bf16 weights shared by both (no paged cache, no scheduler):
+a decode step of ``--rows`` rows (products, SDPA over ``--context`` cached positions each) and a prefill chunk of
+``--chunk`` positions (products, SDPA of its queries over ``--prefix`` keys), each captured in a CUDA graph. Times:
+each alone; then chunks back to back on a low-priority stream while decode steps run back to back on a
+high-priority one (and again with both streams at the default priority): the decode steps' p50 / p99 while chunks
+run, against alone, and the chunks' time each, against alone. Writes ``$OUT/stream_overlap_probe.json``.
+
+    python bench/stream_overlap_probe.py                  # CUDA, about a minute on an H100
+    python bench/stream_overlap_probe.py --chunk 2048 --prefix 14336
+    python bench/stream_overlap_probe.py --tiny           # tiny shapes on the CPU, eagerly: checks that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+FULL = dict(layers=32, hidden=4096, intermediate=11008, heads=32, vocab=32000)
+TINY = dict(layers=2, hidden=64, intermediate=172, heads=4, vocab=128)
+
+
+def log(message: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+class Shapes:
+    """Random decoder weights (qkv, o, fc1 as [gate; up], fc2 per layer; the head) on ``device``."""
+
+    def __init__(self, config: dict, device: torch.device, dtype: torch.dtype):
+        hidden, inter = config["hidden"], config["intermediate"]
+        self.hidden, self.inter, self.heads = hidden, inter, config["heads"]
+        self.head_dim = hidden // self.heads
+        make = lambda rows, cols: torch.randn(rows, cols, device=device, dtype=dtype) * 0.02  # noqa: E731
+        self.layers = [dict(qkv=make(3 * hidden, hidden), o=make(hidden, hidden), fc1=make(2 * inter, hidden),
+                            fc2=make(hidden, inter)) for _ in range(config["layers"])]
+        self.head = make(config["vocab"], hidden)
+
+    def forward(self, x: Tensor, keys: Tensor) -> Tensor:
+        """``x [N, hidden]`` through every layer; each layer's queries attend to ``keys [B, heads, S, d]`` (also
+        the values), B = N with one query a row (decode) or B = 1 with N queries (a chunk)."""
+        rows = x.shape[0]
+        for weights in self.layers:
+            q = (x @ weights["qkv"].T)[:, : self.hidden]
+            if keys.shape[0] == rows:  # decode: one query per row
+                attended = F.scaled_dot_product_attention(q.reshape(rows, self.heads, 1, self.head_dim), keys, keys)
+            else:  # a chunk: the rows are one sequence's queries
+                q = q.reshape(1, rows, self.heads, self.head_dim).transpose(1, 2)
+                attended = F.scaled_dot_product_attention(q, keys, keys).transpose(1, 2)
+            x = x + attended.reshape(rows, self.hidden) @ weights["o"].T
+            gate_up = x @ weights["fc1"].T
+            x = x + (F.silu(gate_up[:, : self.inter]) * gate_up[:, self.inter:]) @ weights["fc2"].T
+        return x
+
+
+def captured(fn: Callable[[], Tensor]) -> torch.cuda.CUDAGraph:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def replays(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, count: int) -> list[torch.cuda.Event]:
+    """Queue ``count`` replays on ``stream``: events before the first and after each."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
+    with torch.cuda.stream(stream):
+        events[0].record()
+        for index in range(count):
+            graph.replay()
+            events[index + 1].record()
+    return events
+
+
+def gaps_ms(events: list[torch.cuda.Event]) -> list[float]:
+    return [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
+
+
+def together(decode: torch.cuda.CUDAGraph, chunk: torch.cuda.CUDAGraph, decode_stream: torch.cuda.Stream,
+             chunk_stream: torch.cuda.Stream, chunks: int, steps: int) -> dict:
+    """Chunks queued on one stream, then decode steps on the other: the steps that ran while chunks did."""
+    torch.cuda.synchronize()
+    chunk_events = replays(chunk, chunk_stream, chunks)
+    decode_events = replays(decode, decode_stream, steps)
+    torch.cuda.synchronize()
+    chunks_ms = chunk_events[0].elapsed_time(chunk_events[-1])
+    during = [gap for gap, end in zip(gaps_ms(decode_events), decode_events[1:])
+              if chunk_events[0].elapsed_time(end) <= chunks_ms]
+    return {"chunk_ms_each": chunks_ms / chunks, "decode_steps_during": len(during),
+            "decode_p50_ms": statistics.median(during) if during else None,
+            "decode_p99_ms": percentile(during, 0.99) if during else None}
+
+
+def run(args: argparse.Namespace) -> dict:
+    tiny = args.tiny or not torch.cuda.is_available()
+    device = torch.device("cpu" if tiny else "cuda")
+    dtype = torch.float32 if tiny else torch.bfloat16
+    config = TINY if tiny else FULL
+    rows, context, chunk_len, prefix = ((2, 8, 16, 32) if tiny else (args.rows, args.context, args.chunk, args.prefix))
+    log(f"building {config['layers']} layers on {device}")
+    shapes = Shapes(config, device, dtype)
+    heads, head_dim = shapes.heads, shapes.head_dim
+    decode_x = torch.randn(rows, shapes.hidden, device=device, dtype=dtype)
+    decode_keys = torch.randn(rows, heads, context, head_dim, device=device, dtype=dtype)
+    chunk_x = torch.randn(chunk_len, shapes.hidden, device=device, dtype=dtype)
+    chunk_keys = torch.randn(1, heads, prefix + chunk_len, head_dim, device=device, dtype=dtype)
+    decode_fn = lambda: shapes.forward(decode_x, decode_keys) @ shapes.head.T  # noqa: E731
+    chunk_fn = lambda: shapes.forward(chunk_x, chunk_keys)  # noqa: E731
+    result: dict = {"device": str(device) if tiny else torch.cuda.get_device_name(), "rows": rows,
+                    "context": context, "chunk": chunk_len, "prefix": prefix}
+    if tiny:
+        result["decode_shape"] = list(decode_fn().shape)
+        result["chunk_shape"] = list(chunk_fn().shape)
+        return result
+    decode, chunk = captured(decode_fn), captured(chunk_fn)
+    log("graphs captured")
+    low, high = torch.cuda.Stream.priority_range()
+    streams = {"priority": (torch.cuda.Stream(priority=high), torch.cuda.Stream(priority=low)),
+               "same_priority": (torch.cuda.Stream(), torch.cuda.Stream())}
+    for _ in range(2):  # the second round is kept
+        decode_events = replays(decode, streams["priority"][0], args.steps)
+        torch.cuda.synchronize()
+        chunk_events = replays(chunk, streams["priority"][1], args.chunks)
+        torch.cuda.synchronize()
+    alone, chunk_alone = gaps_ms(decode_events), statistics.median(gaps_ms(chunk_events))
+    result.update(decode_alone_p50_ms=statistics.median(alone), decode_alone_p99_ms=percentile(alone, 0.99),
+                  chunk_alone_ms=chunk_alone)
+    log(f"alone: decode {result['decode_alone_p50_ms']:.2f} ms, chunk {chunk_alone:.2f} ms")
+    for name, (decode_stream, chunk_stream) in streams.items():
+        steps = args.steps_beside or int(args.chunks * chunk_alone / result["decode_alone_p50_ms"] * 3)
+        measured = together(decode, chunk, decode_stream, chunk_stream, args.chunks, steps)
+        measured["decode_p99_over_alone"] = (measured["decode_p99_ms"] or 0.0) / result["decode_alone_p50_ms"]
+        measured["chunk_over_alone"] = measured["chunk_ms_each"] / chunk_alone
+        result[name] = measured
+        log(f"{name}: {json.dumps(measured)}")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU, eagerly (no timing value)")
+    parser.add_argument("--rows", type=int, default=16, help="decoding rows")
+    parser.add_argument("--context", type=int, default=700, help="cached positions of each decoding row")
+    parser.add_argument("--chunk", type=int, default=512, help="positions of a prefill chunk")
+    parser.add_argument("--prefix", type=int, default=8192, help="positions cached before the chunk")
+    parser.add_argument("--steps", type=int, default=50, help="decode steps timed alone")
+    parser.add_argument("--chunks", type=int, default=20, help="chunks queued beside the decode steps")
+    parser.add_argument("--steps_beside", type=int, default=0,
+                        help="decode steps queued beside them (default: about 3x the chunks' time alone)")
+    args = parser.parse_args()
+    result = run(args)
+    with open(os.path.join(os.environ.get("OUT", "."), "stream_overlap_probe.json"), "w") as stream:
+        json.dump(result, stream, indent=1)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
