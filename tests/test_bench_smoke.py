@@ -25,6 +25,7 @@ REPO = Path(__file__).resolve().parent.parent
     ("paged_bench.py", ["--parts", "ttft"], "paged_bench.json", "second question's prefill step alone"),
     ("fused_bench.py", [], "fused_bench.json", "a decode step"),  # Triton's interpreter
     ("skinny_probe.py", [], "skinny_probe.json", "rows: cuBLAS"),  # Triton's interpreter
+    ("chunk_splits_probe.py", [], "chunk_splits_probe.json", "| engine 1 ("),  # Triton's interpreter
     ("stream_overlap_probe.py", [], "stream_overlap_probe.json", "chunk_shape"),
     ("late_reads.py", [], "late_reads.json", "read after the stream began"),  # the demo restarted, to READY
 ])
