@@ -26,7 +26,6 @@ if "--tiny" in sys.argv:  # Triton reads this only when first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
@@ -34,10 +33,13 @@ from dataclasses import dataclass  # noqa: E402
 import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
+from llava_bench import save_result  # noqa: E402
+
 from exporter.llm import paged_triton  # noqa: E402
 from exporter.llm.paged_attention import PagedKVCache  # noqa: E402
 from exporter.llm.paged_triton import CHUNK_TILE  # noqa: E402
-from exporter.runtime.cuda_graphs import MAX_PIECES, _tile_capacity, chunk_bucket_sizes, decode_splits  # noqa: E402
+from exporter.runtime.cuda_graphs import (  # noqa: E402
+    MAX_PIECES, _tile_capacity, chunk_bucket_sizes, decode_splits)
 from exporter.runtime.scheduler import DEFAULT_MAX_NUM_TOKENS  # noqa: E402
 
 # queries@cached positions before them: the eleventh run's second question, a few tiles after a long prefix,
@@ -237,10 +239,7 @@ def main() -> None:
         paged_triton._chunk_tuned.configs = paged_triton._chunk_tuned.configs[:1]
     splits = [1, 2] if args.tiny and args.splits == [1, 2, 4, 8] else args.splits
     result = probe(cases, splits, shape, args.layers, args.calls, args.replays, args.budget_s, args.tiny)
-    path = os.path.join(os.environ.get("OUT", "."), "chunk_splits_probe.json")
-    with open(path, "w") as file:
-        json.dump(result, file, indent=1)
-    print(f"wrote {path}")
+    save_result("chunk_splits_probe", result)
 
 
 if __name__ == "__main__":

@@ -130,8 +130,9 @@ def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, m
     out = {f"pool_blocks_{kv_dtype}": scheduler.pool.capacity, "block_size": scheduler.block_size}
     kv_token = kv_bytes_per_token(model) // (2 if kv_dtype == "fp8" else 1)
     try:
-        rows_list = ((1,) if kv_dtype == "auto" else ()) + sizes["rows"]
-        for rows in rows_list if kv_dtype == "fp8" or "decode" in parts else ():
+        # the fp8 scheduler is built for its decode rows; the bf16 one times them (and batch 1) as a part of its own
+        rows_list = sizes["rows"] if kv_dtype == "fp8" else (1, *sizes["rows"]) if "decode" in parts else ()
+        for rows in rows_list:
             steps = NEW_TOKENS - 1 if rows == 1 else sizes["steps"]
             ms, context = decode_ms(scheduler, rows, steps)
             roofline = (result["weights_read_GB"] * 1e9 + rows * context * kv_token) / (result["copy_TBps"] * 1e12)

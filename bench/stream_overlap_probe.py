@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from llava_bench import save_result
 from torch import Tensor
 
 FULL = dict(layers=32, hidden=4096, intermediate=11008, heads=32, vocab=32000)
@@ -176,8 +176,7 @@ def main() -> None:
                         help="decode steps queued beside them (default: about 3x the chunks' time alone)")
     args = parser.parse_args()
     result = run(args)
-    with open(os.path.join(os.environ.get("OUT", "."), "stream_overlap_probe.json"), "w") as stream:
-        json.dump(result, stream, indent=1)
+    save_result("stream_overlap_probe", result)
     print(json.dumps(result, indent=1))
 
 
