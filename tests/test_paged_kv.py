@@ -359,6 +359,23 @@ def test_a_repeated_prompt_and_image_reuses_the_cached_blocks(model):
     assert scheduler.reused_positions == 20 + 4  # only the block of text before the image
 
 
+def test_questions_about_one_image_sent_together_prefill_it_once(model):
+    """Three questions about one image submitted at once: the first computes the text and image blocks, the others
+    wait until those are indexed and reuse them, while a prompt about another image, behind them, goes ahead."""
+    scheduler = _scheduler(model, block_size=4)
+    text = random_ids(42, 6)  # 6 + 10 image positions: 4 full blocks shared; each question fills a fifth block
+    prompts = [_media_prompt(model, text, "cat.png", random_ids(43 + index, 5)) for index in range(3)]
+    other = _media_prompt(model, random_ids(47, 6), "dog.png", random_ids(48, 5))
+    handles = [scheduler.submit(embeds, ids, SamplingParams(max_output_len=6), prefix=prefix)
+               for embeds, ids, prefix in (prompts[0], prompts[1], prompts[2], other)]
+    scheduler.step()
+    assert list(scheduler.waiting) == handles[1:3]  # the first and the other image admitted, these two wait
+    run_until_idle(scheduler)
+    for handle, (embeds, _, _) in zip(handles, (*prompts, other)):
+        assert handle.result(timeout=0) == static_greedy(model, embeds, 6)
+    assert scheduler.reused_positions == 2 * 16 and scheduler.prefilled_positions == 21 + 2 * 5 + 21
+
+
 def test_a_prompt_reused_whole_copies_its_last_block_before_writing(model):
     """Copy-on-write: a cached prompt of whole blocks is reused entirely; its last position is computed again into
     a copy of the last block, so the cached block stays as it was for the next request."""

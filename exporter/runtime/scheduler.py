@@ -537,28 +537,39 @@ class Scheduler:
     def _admit(self) -> None:
         """Take waiting requests, first come first served, while rows and KV-cache blocks are free for them: each
         into the lowest run of free rows wide enough, with its blocks (reused prefix blocks, new ones for the rest
-        of its prompt and for its new tokens)."""
+        of its prompt and for its new tokens). A request whose next prompt block is one that an admitted prompt is
+        about to compute waits until that block is indexed, and the requests behind it go ahead: a burst of
+        questions about one image prefills the image once."""
         now = time.monotonic()
         with self._wake:
+            pending = self._pending_keys() if self.waiting else set()
+            deferred: list[Handle] = []
             while self.waiting:
                 handle = self.waiting[0]
                 handle.taken_up_at = handle.taken_up_at or now
                 if handle.cancelled:
                     self.waiting.popleft()._finish()
                     continue
-                row = self._free_run(handle.params.num_beams)
-                if row is None:
-                    return
                 keys = handle.block_keys
                 hits = self.pool.lookup(keys)
-                if not self.pool.can_allocate(self._blocks_needed(len(handle.prompt), handle.params, len(hits)),
-                                              hits):
-                    return
+                if len(hits) < len(keys) and keys[len(hits)] in pending:
+                    deferred.append(self.waiting.popleft())
+                    continue
+                row = self._free_run(handle.params.num_beams)
+                if row is None or not self.pool.can_allocate(
+                        self._blocks_needed(len(handle.prompt), handle.params, len(hits)), hits):
+                    break
                 self.waiting.popleft()
                 request = self._running(handle, row, self._take_blocks(handle, keys, hits))
                 handle.admitted_at = time.monotonic()
                 self.slots[row:row + request.width] = [request] * request.width
                 self.prefilling.append(request)
+                pending.update(keys[len(hits):])
+            self.waiting.extendleft(reversed(deferred))
+
+    def _pending_keys(self) -> set[bytes]:
+        """The prefix keys of the prompt blocks that admitted requests have yet to compute."""
+        return {key for request in self.prefilling for key in request.blocks.keys[request.registered:]}
 
     def _free_run(self, width: int) -> int | None:
         run = 0
