@@ -9,12 +9,14 @@ by compute. This probe measures how much the two slow each other when they run a
 
 Raw torch on LLaVA-1.5-7B's decoder shapes with random bf16 weights shared by both (no paged cache, no scheduler):
 a decode step of ``--rows`` rows (products, SDPA over ``--context`` cached positions each) and a prefill chunk of
-``--chunk`` positions (products, SDPA of its queries over ``--prefix`` keys), each captured in a CUDA graph. Times:
-each alone; then chunks back to back on a low-priority stream while decode steps run back to back on a
-high-priority one (and again with both streams at the default priority): the decode steps' p50 / p99 while chunks
-run, against alone, and the chunks' time each, against alone. Writes ``$OUT/stream_overlap_probe.json``.
+``--chunk`` positions (products, SDPA of its queries over ``--prefix`` keys); the decode step is replayed from a
+CUDA graph, the chunk launched eagerly (``--eager``: two graphs replayed on two streams at once hung on an H100, with
+torch 2.11). Times: each alone; then decode steps queued back to back on a high-priority stream and chunks back to
+back on a low-priority one (and again with both streams at the default priority): the decode steps' p50 / p99 while
+chunks run, against alone, and the chunks' time each, against alone. Writes ``$OUT/stream_overlap_probe.json``.
+A watchdog (``--watchdog_s``) prints the stacks and exits if a run hangs.
 
-    python bench/stream_overlap_probe.py                  # CUDA, about a minute on an H100
+    python bench/stream_overlap_probe.py                  # CUDA, about 20 s on an H100
     python bench/stream_overlap_probe.py --chunk 2048 --prefix 14336
     python bench/stream_overlap_probe.py --tiny           # tiny shapes on the CPU, eagerly: checks that it runs
 """
@@ -22,6 +24,7 @@ run, against alone, and the chunks' time each, against alone. Writes ``$OUT/stre
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import statistics
 import time
@@ -83,13 +86,14 @@ def captured(fn: Callable[[], Tensor]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def replays(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, count: int) -> list[torch.cuda.Event]:
-    """Queue ``count`` replays on ``stream``: events before the first and after each."""
+def replays(launch: Callable[[], object], stream: torch.cuda.Stream, count: int) -> list[torch.cuda.Event]:
+    """Queue ``count`` launches (a graph's replay, or the eager function) on ``stream``: events before the first
+    and after each."""
     events = [torch.cuda.Event(enable_timing=True) for _ in range(count + 1)]
     with torch.cuda.stream(stream):
         events[0].record()
         for index in range(count):
-            graph.replay()
+            launch()
             events[index + 1].record()
     return events
 
@@ -103,16 +107,19 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * (len(ordered) - 1) + 0.5))]
 
 
-def together(decode: torch.cuda.CUDAGraph, chunk: torch.cuda.CUDAGraph, decode_stream: torch.cuda.Stream,
+def together(decode: Callable[[], object], chunk: Callable[[], object], decode_stream: torch.cuda.Stream,
              chunk_stream: torch.cuda.Stream, chunks: int, steps: int) -> dict:
-    """Chunks queued on one stream, then decode steps on the other: the steps that ran while chunks did."""
+    """Decode steps queued on one stream, then chunks on the other: the steps that ran while chunks did (queued
+    in this order, eager chunks launched by the host still run beside graph-replayed steps)."""
     torch.cuda.synchronize()
-    chunk_events = replays(chunk, chunk_stream, chunks)
     decode_events = replays(decode, decode_stream, steps)
+    log(f"{steps} decode steps queued")
+    chunk_events = replays(chunk, chunk_stream, chunks)
+    log(f"{chunks} chunks queued")
     torch.cuda.synchronize()
     chunks_ms = chunk_events[0].elapsed_time(chunk_events[-1])
-    during = [gap for gap, end in zip(gaps_ms(decode_events), decode_events[1:])
-              if chunk_events[0].elapsed_time(end) <= chunks_ms]
+    since_chunks = [chunk_events[0].elapsed_time(event) for event in decode_events]
+    during = [end - start for start, end in zip(since_chunks, since_chunks[1:]) if 0 <= start and end <= chunks_ms]
     return {"chunk_ms_each": chunks_ms / chunks, "decode_steps_during": len(during),
             "decode_p50_ms": statistics.median(during) if during else None,
             "decode_p99_ms": percentile(during, 0.99) if during else None}
@@ -139,8 +146,9 @@ def run(args: argparse.Namespace) -> dict:
         result["decode_shape"] = list(decode_fn().shape)
         result["chunk_shape"] = list(chunk_fn().shape)
         return result
-    decode, chunk = captured(decode_fn), captured(chunk_fn)
-    log("graphs captured")
+    decode = decode_fn if args.eager == "all" else captured(decode_fn).replay
+    chunk = chunk_fn if args.eager in ("all", "chunk") else captured(chunk_fn).replay
+    log(f"eager: {args.eager}")
     low, high = torch.cuda.Stream.priority_range()
     streams = {"priority": (torch.cuda.Stream(priority=high), torch.cuda.Stream(priority=low)),
                "same_priority": (torch.cuda.Stream(), torch.cuda.Stream())}
@@ -153,7 +161,8 @@ def run(args: argparse.Namespace) -> dict:
     result.update(decode_alone_p50_ms=statistics.median(alone), decode_alone_p99_ms=percentile(alone, 0.99),
                   chunk_alone_ms=chunk_alone)
     log(f"alone: decode {result['decode_alone_p50_ms']:.2f} ms, chunk {chunk_alone:.2f} ms")
-    for name, (decode_stream, chunk_stream) in streams.items():
+    for name in args.modes:
+        decode_stream, chunk_stream = streams[name]
         steps = args.steps_beside or int(args.chunks * chunk_alone / result["decode_alone_p50_ms"] * 3)
         measured = together(decode, chunk, decode_stream, chunk_stream, args.chunks, steps)
         measured["decode_p99_over_alone"] = (measured["decode_p99_ms"] or 0.0) / result["decode_alone_p50_ms"]
@@ -172,9 +181,18 @@ def main() -> None:
     parser.add_argument("--prefix", type=int, default=8192, help="positions cached before the chunk")
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed alone")
     parser.add_argument("--chunks", type=int, default=20, help="chunks queued beside the decode steps")
+    parser.add_argument("--modes", nargs="+", choices=["priority", "same_priority"],
+                        default=["priority", "same_priority"], help="stream pairs to run beside each other, in order")
+    parser.add_argument("--eager", choices=["none", "chunk", "all"], default="chunk",
+                        help="which launch their kernels eagerly instead of as a CUDA graph (default: the chunks; "
+                             "two graphs replayed on two streams at once hung on an H100)")
+    parser.add_argument("--watchdog_s", type=float, default=300.0,
+                        help="print every thread's stack and exit when the probe runs this long (0: never)")
     parser.add_argument("--steps_beside", type=int, default=0,
                         help="decode steps queued beside them (default: about 3x the chunks' time alone)")
     args = parser.parse_args()
+    if args.watchdog_s:
+        faulthandler.dump_traceback_later(args.watchdog_s, exit=True)
     result = run(args)
     save_result("stream_overlap_probe", result)
     print(json.dumps(result, indent=1))
