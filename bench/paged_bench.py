@@ -15,7 +15,9 @@ Parts (each runs on its own: one that fails prints its error and the others stil
 - time to first token end to end through the Pipeline (image + question, `max_output_len=1`): a first question
   (the encoder runs, the whole prompt is prefilled) and a second question about an image already seen (encoder
   cache hit, the prompt's blocks up to the question reused), each with its median time by phase: the Pipeline's
-  host phases (``Pipeline.on_phase``) and the scheduler's milestones on the request's handle.
+  host phases (``Pipeline.on_phase``) and the scheduler's milestones on the request's handle;
+- 16 questions about one new image sent together (one ``Pipeline.run``, one new token each, 16 rows): the time until
+  all are answered and the prompt positions the burst prefilled, against one prompt's length.
 
     python bench/paged_bench.py            # CUDA (the H100), a few minutes; prints the table, writes $OUT/paged_bench.json
     python bench/paged_bench.py --parts long mixed ttft   # some parts only (an A/B of a change in ~1 minute)
@@ -70,10 +72,10 @@ CONTEXT, NEW_TOKENS = 608, 128
 LIMIT_SWEEP = (2.0, 1.9, 1.5)  # the chunk pacer's limits the long prompt's part is run again at (CUDA)
 # the parts, in the order they run: the bf16 cache's decode rows (1, 64, 128), 128 concurrent requests, the long
 # prompt beside decoding rows, the same at the pacer limits of LIMIT_SWEEP, the mixed steps timed alone; the fp8
-# cache's decode rows; the TTFT questions
-PARTS = ("decode", "concurrent", "long", "long_limits", "mixed", "fp8", "ttft")
-SIZES = {"full": dict(rows=(64, 128), concurrent=128, long=16_384, beside=16, steps=32, ttft_repeats=10),
-         "tiny": dict(rows=(4, 8), concurrent=16, long=2_048, beside=4, steps=8, ttft_repeats=3)}
+# cache's decode rows; the TTFT questions; questions about one image sent together
+PARTS = ("decode", "concurrent", "long", "long_limits", "mixed", "fp8", "ttft", "burst")
+SIZES = {"full": dict(rows=(64, 128), concurrent=128, long=16_384, beside=16, steps=32, ttft_repeats=10, burst=16),
+         "tiny": dict(rows=(4, 8), concurrent=16, long=2_048, beside=4, steps=8, ttft_repeats=3, burst=4)}
 
 
 def run(tiny: bool, parts: Collection[str] = PARTS) -> dict:
@@ -87,13 +89,15 @@ def run(tiny: bool, parts: Collection[str] = PARTS) -> dict:
     head = model.embedding.word_embeddings.weight.numel() * model.dtype.itemsize
     result["weights_read_GB"] = (sum(t.numel() * t.element_size() for t in model.state_dict().values()) - head) / 1e9
     long_len = sizes["long"]
-    if set(parts) - {"fp8", "ttft"}:
+    if set(parts) - {"fp8", "ttft", "burst"}:
         part(result, "bf16", lambda: _scheduler_parts(model, sizes, result, "auto", CONTEXT + NEW_TOKENS + long_len,
                                                       parts))
     if "fp8" in parts:
         part(result, "fp8", lambda: _scheduler_parts(model, sizes, result, "fp8", CONTEXT + 256, parts))
     if "ttft" in parts:
         part(result, "ttft", lambda: _ttft(model, LLAVA_TINY if tiny else LLAVA, sizes["ttft_repeats"]))
+    if "burst" in parts:
+        part(result, "burst", lambda: _burst(model, LLAVA_TINY if tiny else LLAVA, sizes["burst"]))
     return result
 
 
@@ -354,22 +358,55 @@ def _tokenizer(vocab: int) -> SentencePieceTokenizer:
     return SentencePieceTokenizer(model.getvalue())
 
 
-def _ttft(model: Decoder, shape: dict, repeats: int) -> dict:
-    """First and second questions about images, end to end through a Pipeline (median ms)."""
+def _image_pipeline(model: Decoder, shape: dict, max_batch_size: int) -> tuple[Pipeline, int]:
+    """A Neva Pipeline over ``model`` with a random CLIP tower of ``shape``, and its image size."""
     vision = CLIPVisionConfig(**shape["vision"])
     torch.manual_seed(0)
     hidden = model.config.hidden_size
     tower = CLIPVisionModel(vision)
     linear_1, linear_2 = torch.nn.Linear(vision.hidden_size, hidden), torch.nn.Linear(hidden, hidden)
     encoder = vision_encoder(vision, hidden, tower, linear_1, linear_2, model.dtype).to(model.device)
-    limits = EngineLimits(max_input_len=1024, max_output_len=8, max_batch_size=1,
+    limits = EngineLimits(max_input_len=1024, max_output_len=8, max_batch_size=max_batch_size,
                           max_multimodal_len=encoder.tokens_per_image)
     engine = Engine({"model_type": "neva", "modality": "vision"}, limits, model,
                     _tokenizer(min(1000, model.config.vocab_size - 8)), get_template("v1"),
                     ImagePerception(encoder, encoder.preprocessor()))
-    pipeline = Pipeline(engine)
+    return Pipeline(engine), vision.image_size
+
+
+def _burst(model: Decoder, shape: dict, count: int, repeats: int = 3) -> dict:
+    """``count`` questions about one new image sent together in one ``Pipeline.run`` (one new token each), on a
+    Pipeline of ``count`` rows, ``repeats`` times: the time until all are answered (median ms) and the prompt
+    positions each burst prefilled, against one prompt's length."""
+    pipeline, size = _image_pipeline(model, shape, count)
+    rng = np.random.default_rng(1)
+    params = SamplingParams(max_output_len=1)
+    lengths: list[int] = []
+    pipeline.submitted.append(lambda handle: lengths.append(len(handle.prompt)))
+    try:
+        scheduler = pipeline.scheduler
+        times, prefilled = [], []
+        for round_ in range(repeats + 1):  # the first round warms up
+            image = rng.integers(0, 256, (size, size, 3), dtype=np.uint8)
+            before, start = scheduler.prefilled_positions, time.perf_counter()
+            answers = pipeline.run([Request(f"Question {k}: what is thing {k} in it?", image, params)
+                                    for k in range(count)])
+            if errors := [answer for answer in answers if isinstance(answer, Exception)]:
+                raise errors[0]
+            if round_:
+                times.append((time.perf_counter() - start) * 1e3)
+                prefilled.append(scheduler.prefilled_positions - before)
+        return {"burst_questions": count, "burst_ms": float(np.median(times)),
+                "burst_prefilled_positions": int(np.median(prefilled)),
+                "burst_prompt_len": int(np.median(lengths))}
+    finally:
+        pipeline.close()
+
+
+def _ttft(model: Decoder, shape: dict, repeats: int) -> dict:
+    """First and second questions about images, end to end through a Pipeline (median ms)."""
+    pipeline, size = _image_pipeline(model, shape, 1)
     rng = np.random.default_rng(0)
-    size = vision.image_size
     phases: dict[str, float] = {}
     handles: list = []
     lengths: list[int] = []
@@ -520,6 +557,10 @@ def report(result: dict) -> str:
     if syncs is not None:
         rows.append("  synchronizing host calls during the timed questions: "
                     + (", ".join(f"{where} x{count}" for where, count in syncs.items()) or "none"))
+    if "burst_ms" in result:
+        rows.append(f"{result['burst_questions']} questions about one new image sent together: all answered in "
+                    f"{result['burst_ms']:.1f} ms, {result['burst_prefilled_positions']} positions prefilled "
+                    f"(one prompt: {result['burst_prompt_len']})")
     rows.append(f"{result.get('concurrent_requests', '-')} concurrent requests ({CONTEXT} + {NEW_TOKENS}): "
                 f"{result.get('concurrent_completed', '-')} completed, {result.get('concurrent_errors', '-')} errors, "
                 f"{value('concurrent_s')} s, {value('concurrent_tok_s', 0)} tok/s, at most "

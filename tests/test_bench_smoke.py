@@ -23,6 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
     ("quant_kernel_probe.py", [], "quant_kernel_probe.json", "quantized kernel probe"),  # Triton's interpreter
     ("paged_bench.py", [], "paged_bench.json", "concurrent requests"),
     ("paged_bench.py", ["--parts", "ttft"], "paged_bench.json", "second question's prefill step alone"),
+    ("paged_bench.py", ["--parts", "burst"], "paged_bench.json", "questions about one new image sent together"),
     ("fused_bench.py", [], "fused_bench.json", "a decode step"),  # Triton's interpreter
     ("skinny_probe.py", [], "skinny_probe.json", "rows: cuBLAS"),  # Triton's interpreter
     ("chunk_splits_probe.py", [], "chunk_splits_probe.json", "| engine 1 ("),  # Triton's interpreter
