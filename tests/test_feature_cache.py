@@ -4,6 +4,8 @@ cache is a bounded LRU; different media never share an entry."""
 from __future__ import annotations
 
 import io
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -125,3 +127,83 @@ def test_different_images_do_not_collide(model):
         assert cached == alone
     assert len(cache) == len(images) and len({media_key(image) for image in images}) == len(images)
     assert calls.items[0] == len(images) and cache.stats()["hits"] == len(images)
+
+
+# --- one encoding for media asked for at once ---------------------------------------------------------------------
+
+
+def _in_thread(fn) -> tuple[threading.Thread, list]:
+    """``fn`` started in a thread; the list gets its result or the exception it raised."""
+    out: list = []
+
+    def target():
+        try:
+            out.append(fn())
+        except Exception as error:  # noqa: BLE001 - handed to the test
+            out.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_claimed_key_makes_other_threads_wait_for_its_block():
+    cache, block = FeatureCache(), torch.ones(2, 3)
+    assert cache.get_or_claim("k") is None  # this thread claims k
+    waiter, got = _in_thread(lambda: cache.get_or_claim("k"))
+    waiter.join(0.3)
+    assert waiter.is_alive()  # waiting for this thread's block
+    cache.put("k", block)
+    waiter.join(5)
+    assert torch.equal(got[0], block) and cache.stats()["hits"] == 1
+
+    assert cache.get_or_claim("failed") is None
+    waiter, got = _in_thread(lambda: (cache.get_or_claim("failed"), cache.get_or_claim("other")))
+    waiter.join(0.3)
+    assert waiter.is_alive()
+    cache.release(["failed"])  # the encoding failed: the waiter claims the key and encodes it itself
+    waiter.join(5)
+    assert got == [(None, None)] and set(cache._claims) == {"failed", "other"}  # now the waiter's
+
+
+def test_a_thread_holding_a_claim_never_waits():
+    cache = FeatureCache()
+    assert cache.get_or_claim("x") is None
+    other, got = _in_thread(lambda: (cache.get_or_claim("y"), cache.get_or_claim("x")))
+    other.join(5)  # it holds y, so it does not wait for x (this thread could be waiting for y)
+    assert not other.is_alive() and got == [(None, None)]
+    off = FeatureCache(max_entries=0)
+    assert off.get_or_claim("x") is None and off.get_or_claim("x") is None and not off._claims
+
+
+def test_requests_sent_together_about_one_image_encode_it_once(model, monkeypatch):
+    exporter, calls = model
+    data = (DEMO_IMAGES / "red_circle.png").read_bytes()
+    slow = lambda items: (time.sleep(0.3), calls(items))[1]  # noqa: E731 - the others arrive meanwhile
+    monkeypatch.setattr(exporter.engine.perception, "encode", slow)
+    threads = [_in_thread(lambda question=question: ask(exporter, question, data))
+               for question in (SHAPE_Q, COLOR_Q, SHAPE_Q, COLOR_Q)]
+    for thread, _ in threads:
+        thread.join(60)
+    assert [out for _, out in threads] == [["circle"], ["red"], ["circle"], ["red"]]
+    assert calls.items == [1]
+
+
+def test_a_failed_encoding_wakes_the_requests_waiting_for_it(model, monkeypatch):
+    exporter, calls = model
+    data = (DEMO_IMAGES / "blue_triangle.png").read_bytes()
+    failures = [RuntimeError("the encoder failed")]
+
+    def flaky(items):
+        time.sleep(0.3)
+        if failures:
+            raise failures.pop()
+        return calls(items)
+
+    monkeypatch.setattr(exporter.engine.perception, "encode", flaky)
+    first, first_out = _in_thread(lambda: ask(exporter, SHAPE_Q, data))
+    time.sleep(0.1)
+    second, second_out = _in_thread(lambda: ask(exporter, SHAPE_Q, data))
+    first.join(60)
+    second.join(60)
+    assert isinstance(first_out[0], RuntimeError) and second_out == ["triangle"] and calls.items == [1]

@@ -18,6 +18,7 @@ from PIL import Image
 
 DEFAULT_MAX_ENTRIES = 256
 DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+MAX_CLAIM_WAIT_S = 60.0  # a thread waits at most this long for another's encoding, then encodes the item itself
 _FILE_CHUNK = 1 << 20
 
 
@@ -50,7 +51,8 @@ def media_key(item: Any) -> str | None:
 class FeatureCache:
     """Thread-safe LRU of feature blocks ``[n, H]`` by media key, bounded by ``max_entries`` and ``max_bytes``.
 
-    ``max_entries=0`` turns caching off. ``hits`` / ``misses`` count lookups.
+    ``max_entries=0`` turns caching off. ``hits`` / ``misses`` count lookups. ``get_or_claim`` lets one thread
+    encode a media item that several threads ask for at once while the others wait for its block.
     """
 
     def __init__(self, max_entries: int = DEFAULT_MAX_ENTRIES, max_bytes: int = DEFAULT_MAX_BYTES):
@@ -63,6 +65,7 @@ class FeatureCache:
         self._blocks: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._claims: dict[str, tuple[int, threading.Event]] = {}  # key -> (the claiming thread, set when resolved)
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -83,13 +86,44 @@ class FeatureCache:
             self.hits += 1
             return block
 
-    def put(self, key: str, block: torch.Tensor) -> None:
-        """Store a copy of ``block`` (detached, its own memory) and evict the least recently used past the bounds.
+    def get_or_claim(self, key: str | None) -> torch.Tensor | None:
+        """Like ``get``; but when the block is missing and another thread has claimed ``key`` (it is encoding the
+        same media), first wait until that thread puts or releases it. On a miss the calling thread claims ``key``
+        and must later ``put`` or ``release`` it. A thread that holds a claim never waits (no two threads can then
+        wait for each other): it gets None and encodes the item itself, as does one that waited
+        ``MAX_CLAIM_WAIT_S``."""
+        me = threading.get_ident()
+        while True:
+            with self._lock:
+                claim = self._claims.get(key) if key is not None and self.max_entries else None
+                waits = claim is not None and claim[0] != me and key not in self._blocks and not any(
+                    owner == me for owner, _ in self._claims.values())
+                if not waits:
+                    if key is not None and self.max_entries and claim is None and key not in self._blocks:
+                        self._claims[key] = (me, threading.Event())
+                    break
+            if not claim[1].wait(MAX_CLAIM_WAIT_S):
+                break
+        return self.get(key)
 
-        A block larger than ``max_bytes`` is not stored.
+    def release(self, keys: list[str | None]) -> None:
+        """Give up the calling thread's claims on ``keys`` that are still open (their encoding failed or was not
+        needed), waking the threads waiting for them."""
+        me = threading.get_ident()
+        with self._lock:
+            for key in keys:
+                claim = self._claims.get(key) if key is not None else None
+                if claim is not None and claim[0] == me:
+                    del self._claims[key]
+                    claim[1].set()
+
+    def put(self, key: str, block: torch.Tensor) -> None:
+        """Store a copy of ``block`` (detached, its own memory) and evict the least recently used past the bounds;
+        resolve a claim on ``key``. A block larger than ``max_bytes`` is not stored.
         """
         size = block.numel() * block.element_size()
         if self.max_entries == 0 or size > self.max_bytes:
+            self._resolve(key)
             return
         block = block.detach().clone()
         with self._lock:
@@ -101,6 +135,14 @@ class FeatureCache:
             while len(self._blocks) > self.max_entries or self._bytes > self.max_bytes:
                 _, evicted = self._blocks.popitem(last=False)
                 self._bytes -= evicted.numel() * evicted.element_size()
+        self._resolve(key)
+
+    def _resolve(self, key: str) -> None:
+        """Close any claim on ``key``, waking the threads waiting for it."""
+        with self._lock:
+            claim = self._claims.pop(key, None)
+        if claim is not None:
+            claim[1].set()
 
     def clear(self) -> None:
         """Drop every block and reset the counters."""

@@ -30,7 +30,8 @@ from .scheduler import Handle, Scheduler
 
 
 # the host phases ``Pipeline.on_phase`` reports, in the order a request meets them
-PHASES = ("media decode", "media hash", "preprocess", "encoder", "encoder cache hit", "tokenize", "embed", "submit")
+PHASES = ("media decode", "media hash", "encoder cache wait", "preprocess", "encoder", "encoder cache hit", "tokenize",
+          "embed", "submit")
 
 # Streamed pieces a second over all of a process's streams, at most (about). Every piece costs Python work in this
 # process (the detokenization, the server's serialization and send), under the GIL the scheduler's step loop needs
@@ -197,13 +198,17 @@ class Pipeline:
         """Media → features → prompt layout → embeddings for each request, or the error it raised."""
         results: list[_Prepared | Exception | None] = [None] * len(requests)
         media_items: dict[int, list[_MediaItem]] = {}
-        for i, request in enumerate(requests):
-            try:
-                self.engine.limits.check_request(0, 0, request.params.max_output_len, request.params.num_beams)
-                media_items[i] = self._load_media(request.media)
-            except Exception as error:  # noqa: BLE001 - reported per request
-                results[i] = error
-        for i, items in self._encode(media_items).items():
+        try:
+            for i, request in enumerate(requests):
+                try:
+                    self.engine.limits.check_request(0, 0, request.params.max_output_len, request.params.num_beams)
+                    media_items[i] = self._load_media(request.media)
+                except Exception as error:  # noqa: BLE001 - reported per request
+                    results[i] = error
+            features = self._encode(media_items)
+        finally:  # the media this thread claimed in the feature cache and did not encode
+            self.feature_cache.release([item.key for items in media_items.values() for item in items])
+        for i, items in features.items():
             request = requests[i]
             try:
                 with self._phase("tokenize"):
@@ -237,11 +242,16 @@ class Pipeline:
             raw = perception.media_items(media)
         with self._phase("media hash"):
             keys = [media_key(item) for item in raw] if raw is not None else []
-        cached = [self.feature_cache.get(key) if key is not None else None for key in keys]
-        if raw is not None and all(block is not None for block in cached):
-            return [_MediaItem(key, block, None) for key, block in zip(keys, cached)]
-        with self._phase("preprocess"):
-            inputs = perception.load_media(media)
+        try:
+            with self._phase("encoder cache wait"):  # another request encoding the same media: its features
+                cached = [self.feature_cache.get_or_claim(key) for key in keys]
+            if raw is not None and all(block is not None for block in cached):
+                return [_MediaItem(key, block, None) for key, block in zip(keys, cached)]
+            with self._phase("preprocess"):
+                inputs = perception.load_media(media)
+        except BaseException:
+            self.feature_cache.release(keys)
+            raise
         if raw is None:
             return [_MediaItem(None, None, item) for item in inputs]
         return [_MediaItem(key, block, item) for key, block, item in zip(keys, cached, inputs, strict=True)]
