@@ -93,14 +93,15 @@ class FeatureCache:
         wait for each other): it gets None and encodes the item itself, as does one that waited
         ``MAX_CLAIM_WAIT_S``."""
         me = threading.get_ident()
-        while True:
+        while key is not None and self.max_entries:
             with self._lock:
-                claim = self._claims.get(key) if key is not None and self.max_entries else None
-                waits = claim is not None and claim[0] != me and key not in self._blocks and not any(
-                    owner == me for owner, _ in self._claims.values())
-                if not waits:
-                    if key is not None and self.max_entries and claim is None and key not in self._blocks:
-                        self._claims[key] = (me, threading.Event())
+                if key in self._blocks:
+                    break
+                claim = self._claims.get(key)
+                if claim is None:
+                    self._claims[key] = (me, threading.Event())
+                    break
+                if any(owner == me for owner, _ in self._claims.values()):
                     break
             if not claim[1].wait(MAX_CLAIM_WAIT_S):
                 break
@@ -110,12 +111,9 @@ class FeatureCache:
         """Give up the calling thread's claims on ``keys`` that are still open (their encoding failed or was not
         needed), waking the threads waiting for them."""
         me = threading.get_ident()
-        with self._lock:
-            for key in keys:
-                claim = self._claims.get(key) if key is not None else None
-                if claim is not None and claim[0] == me:
-                    del self._claims[key]
-                    claim[1].set()
+        for key in keys:
+            if key is not None:
+                self._resolve(key, owner=me)
 
     def put(self, key: str, block: torch.Tensor) -> None:
         """Store a copy of ``block`` (detached, its own memory) and evict the least recently used past the bounds;
@@ -137,12 +135,14 @@ class FeatureCache:
                 self._bytes -= evicted.numel() * evicted.element_size()
         self._resolve(key)
 
-    def _resolve(self, key: str) -> None:
-        """Close any claim on ``key``, waking the threads waiting for it."""
+    def _resolve(self, key: str, owner: int | None = None) -> None:
+        """Close the claim on ``key`` (only ``owner``'s, when given), waking the threads waiting for it."""
         with self._lock:
-            claim = self._claims.pop(key, None)
-        if claim is not None:
-            claim[1].set()
+            claim = self._claims.get(key)
+            if claim is None or (owner is not None and claim[0] != owner):
+                return
+            del self._claims[key]
+        claim[1].set()
 
     def clear(self) -> None:
         """Drop every block and reset the counters."""
