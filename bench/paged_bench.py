@@ -10,8 +10,10 @@ Parts (each runs on its own: one that fails prints its error and the others stil
 - a 16,384-position prompt admitted while 16 requests decode: their per-token latency p50/p99 against the same 16
   decoding alone, and the long prompt's time to first token against the same prompt alone; the steps it took
   beside them (their chunk sized from the measured step times, ``ChunkPacer``) and what the pacer measured;
-  one such step timed at three points of the prompt and profiled by kernel kind; the chunk kernel's
-  configurations the autotuner chose;
+  such steps timed at three points of the prompt for chunks of 64, 128, 256 positions and the chunk budget, and
+  from them the schedule one step at a time that keeps every step within 2x the rows' own (its TTFT against the
+  prompt's lone prefill); the budget's step profiled by kernel kind; the chunk kernel's configurations the
+  autotuner chose;
 - time to first token end to end through the Pipeline (image + question, `max_output_len=1`): a first question
   (the encoder runs, the whole prompt is prefilled) and a second question about an image already seen (encoder
   cache hit, the prompt's blocks up to the question reused), each with its median time by phase: the Pipeline's
@@ -70,6 +72,8 @@ SCHEDULER_PHASES = ("loop wake-up", "admission (prefix match, blocks)", "plannin
 BEFORE = {"decode_bs1_ms": 5.55, "ttft_first_ms": 17.44, "ttft_second_ms": 18.7}
 CONTEXT, NEW_TOKENS = 608, 128
 LIMIT_SWEEP = (2.0, 1.9, 1.5)  # the chunk pacer's limits the long prompt's part is run again at (CUDA)
+MIXED_CHUNKS = (64, 128, 256)  # chunk sizes the mixed part times beside the rows, with the chunk budget's own
+TARGET_P99_RATIO = 2.0  # issue 14: the decoding rows' per-token p99 beside a long prompt, times their own
 # the parts, in the order they run: the bf16 cache's decode rows (1, 64, 128), 128 concurrent requests, the long
 # prompt beside decoding rows, the same at the pacer limits of LIMIT_SWEEP, the mixed steps timed alone; the fp8
 # cache's decode rows; the TTFT questions; questions about one image sent together
@@ -291,10 +295,11 @@ def _limit_sweep(scheduler: Scheduler, length: int, beside: int) -> dict:
     return {"long_at_limits": measured}
 
 
-def _mixed_steps(scheduler: Scheduler, length: int, beside: int, chunk: int) -> dict:
-    """The step of ``beside`` decode rows (CONTEXT positions each) and a ``chunk``-position prompt chunk, against
-    each part alone, at three points of a ``length``-position prompt (median device ms, CUDA events; the graphs
-    warm_up captured), and at the last point the combined step's device time by kernel kind and its costliest
+def _mixed_steps(scheduler: Scheduler, length: int, beside: int, budget: int) -> dict:
+    """The step of ``beside`` decode rows (CONTEXT positions each) and a prompt chunk, against each part alone, for
+    chunks of ``MIXED_CHUNKS`` positions (those below ``budget``, the chunk budget beside decoding rows) and of
+    ``budget``, at three points of a ``length``-position prompt (median device ms, CUDA events; the graphs warm_up
+    captured), and at the last point the combined step with the budget's chunk by kernel kind and its costliest
     kernels (profiler, ``breakdown._kernel_profile``)."""
     forward, size, device = scheduler.forward, scheduler.block_size, scheduler.model.device
     rows_blocks = -(-(CONTEXT + 1) // size)
@@ -302,11 +307,11 @@ def _mixed_steps(scheduler: Scheduler, length: int, beside: int, chunk: int) -> 
     tables = [held[r * rows_blocks: (r + 1) * rows_blocks] for r in range(beside)]
     scheduler.tables.set(0, tables)
     prompt_blocks = held[beside * rows_blocks:]
-    embeds = torch.zeros(chunk, scheduler.model.config.hidden_size, dtype=scheduler.model.dtype, device=device)
+    embeds = torch.zeros(budget, scheduler.model.config.hidden_size, dtype=scheduler.model.dtype, device=device)
     decode_args = dict(tokens=[1] * beside, positions=[CONTEXT] * beside)
 
-    def timed_step(rows: int, start: int | None) -> float:
-        pieces = [] if start is None else [Piece(embeds, start, prompt_blocks)]
+    def timed_step(rows: int, start: int | None, count: int) -> float:
+        pieces = [] if start is None else [Piece(embeds[:count], start, prompt_blocks)]
         args = decode_args if rows else {}
         times = []
         for _ in range(12):
@@ -322,21 +327,50 @@ def _mixed_steps(scheduler: Scheduler, length: int, beside: int, chunk: int) -> 
             times.append(events[0].elapsed_time(events[1]) if events else (time.perf_counter() - began) * 1e3)
         return float(np.median(times[2:]))
 
-    out: dict = {"mixed_rows": beside, "mixed_chunk": chunk, "mixed_rows_alone_ms": timed_step(beside, None)}
+    chunks = sorted({count for count in MIXED_CHUNKS if count < budget} | {budget})
+    by_chunk: dict[str, dict[str, dict[str, float]]] = {}
+    out: dict = {"mixed_rows": beside, "mixed_chunk": budget, "mixed_rows_alone_ms": timed_step(beside, None, 0),
+                 "mixed_by_chunk": by_chunk}
     try:
-        for start in (0, length // 2, length - chunk):
-            out[f"mixed_after_{start}"] = {"chunk_alone_ms": timed_step(0, start),
-                                           "together_ms": timed_step(beside, start)}
+        for count in chunks:
+            by_chunk[str(count)] = {str(start): {"chunk_alone_ms": timed_step(0, start, count),
+                                                 "together_ms": timed_step(beside, start, count)}
+                                    for start in (0, length // 2, length - budget)}
         if device.type == "cuda":
             from breakdown import _kernel_profile
 
             out.update(_kernel_profile("mixed", lambda: forward.launch(
-                beside, CONTEXT + 1, [Piece(embeds, length - chunk, prompt_blocks)], **decode_args)))
+                beside, CONTEXT + 1, [Piece(embeds, length - budget, prompt_blocks)], **decode_args)))
     finally:
         scheduler.chooser.release(0, beside)
         scheduler.tables.clear(0, beside)
         scheduler.pool.release(held)
     return out
+
+
+def serial_schedule(result: dict, limit: float = TARGET_P99_RATIO) -> dict | None:
+    """What the mixed part's measured steps allow one step at a time: the ``long_len``-position prompt prefilled
+    beside the rows in chunks of the measured sizes, each step the largest chunk whose step (the rows' step alone
+    plus the chunk's extra time beside them, interpolated between the measured points of the prompt) stays within
+    ``limit`` times the rows' step alone, or the smallest chunk where none does. Its steps, total and longest step
+    (ms), and against the prompt's lone prefill where the long part measured it."""
+    by_chunk, alone = result.get("mixed_by_chunk"), result.get("mixed_rows_alone_ms")
+    length = result.get("long_len") or SIZES["full"]["long"]
+    if not by_chunk or not alone:
+        return None
+    extra = {int(count): ([int(start) for start in points],
+                          [points[start]["together_ms"] - alone for start in points])
+             for count, points in by_chunk.items()}
+    done, steps, total, longest = 0, 0, 0.0, 0.0
+    while done < length:
+        fitting = [count for count in sorted(extra) if alone + float(np.interp(done, *extra[count])) <= limit * alone]
+        count = max(fitting) if fitting else min(extra)
+        step = alone + max(float(np.interp(done, *extra[count])), 0.0)
+        done, steps, total, longest = done + count, steps + 1, total + step, max(longest, step)
+    schedule = {"limit": limit, "steps": steps, "total_ms": total, "longest_step_ratio": longest / alone}
+    if result.get("long_ttft_solo_ms"):
+        schedule["ttft_ratio"] = total / result["long_ttft_solo_ms"]
+    return schedule
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -585,11 +619,18 @@ def report(result: dict) -> str:
                            f"{value('long_pacer_unit_us', 1)} us a chunk_cost unit beside them, budget "
                            f"{result['long_pacer_last_budget']}" if "long_pacer_last_budget" in result else ""))
     if "mixed_rows_alone_ms" in result:
-        rows.append(f"one step, device ms: {result['mixed_rows']} decode rows alone "
-                    f"{result['mixed_rows_alone_ms']:.2f}; a {result['mixed_chunk']}-position chunk after P "
-                    "positions alone / beside them: "
-                    + ", ".join(f"P={key.split('_')[-1]} {times['chunk_alone_ms']:.2f} / {times['together_ms']:.2f}"
-                                for key, times in result.items() if key.startswith("mixed_after_")))
+        rows.append(f"one step, device ms: {result['mixed_rows']} decode rows alone {result['mixed_rows_alone_ms']:.2f}; "
+                    "a C-position chunk after P positions alone / beside them:")
+        for count, points in result.get("mixed_by_chunk", {}).items():
+            rows.append(f"  C={count}: " + ", ".join(f"P={start} {times['chunk_alone_ms']:.2f} / "
+                                                     f"{times['together_ms']:.2f}" for start, times in points.items()))
+        schedule = serial_schedule(result)
+        if schedule:
+            rows.append(f"  one step at a time from these steps, each <= x{schedule['limit']:.1f} the rows' alone: "
+                        f"{schedule['steps']} steps, {schedule['total_ms']:.1f} ms (longest step "
+                        f"x{schedule['longest_step_ratio']:.2f})"
+                        + (f", x{schedule['ttft_ratio']:.2f} the prompt's lone prefill (target <= 1.3)"
+                           if "ttft_ratio" in schedule else ""))
     if "breakdown_mixed_kernel_us_by_kind" in result:
         rows.append("  the step beside them at the last P by kernel kind, us: "
                     + ", ".join(f"{kind} {us:.0f}" for kind, us in result["breakdown_mixed_kernel_us_by_kind"].items()))
