@@ -329,8 +329,8 @@ def _mixed_steps(scheduler: Scheduler, length: int, beside: int, budget: int) ->
 
     chunks = sorted({count for count in MIXED_CHUNKS if count < budget} | {budget})
     by_chunk: dict[str, dict[str, dict[str, float]]] = {}
-    out: dict = {"mixed_rows": beside, "mixed_chunk": budget, "mixed_rows_alone_ms": timed_step(beside, None, 0),
-                 "mixed_by_chunk": by_chunk}
+    out: dict = {"mixed_rows": beside, "mixed_chunk": budget, "mixed_len": length,
+                 "mixed_rows_alone_ms": timed_step(beside, None, 0), "mixed_by_chunk": by_chunk}
     try:
         for count in chunks:
             by_chunk[str(count)] = {str(start): {"chunk_alone_ms": timed_step(0, start, count),
@@ -349,24 +349,23 @@ def _mixed_steps(scheduler: Scheduler, length: int, beside: int, budget: int) ->
 
 
 def serial_schedule(result: dict, limit: float = TARGET_P99_RATIO) -> dict | None:
-    """What the mixed part's measured steps allow one step at a time: the ``long_len``-position prompt prefilled
+    """What the mixed part's measured steps allow one step at a time: its ``mixed_len``-position prompt prefilled
     beside the rows in chunks of the measured sizes, each step the largest chunk whose step (the rows' step alone
     plus the chunk's extra time beside them, interpolated between the measured points of the prompt) stays within
     ``limit`` times the rows' step alone, or the smallest chunk where none does. Its steps, total and longest step
     (ms), and against the prompt's lone prefill where the long part measured it."""
-    by_chunk, alone = result.get("mixed_by_chunk"), result.get("mixed_rows_alone_ms")
-    length = result.get("long_len") or SIZES["full"]["long"]
-    if not by_chunk or not alone:
+    by_chunk, alone, length = (result.get(key) for key in ("mixed_by_chunk", "mixed_rows_alone_ms", "mixed_len"))
+    if not by_chunk or not alone or not length:
         return None
     extra = {int(count): ([int(start) for start in points],
                           [points[start]["together_ms"] - alone for start in points])
              for count, points in by_chunk.items()}
     done, steps, total, longest = 0, 0, 0.0, 0.0
     while done < length:
-        fitting = [count for count in sorted(extra) if alone + float(np.interp(done, *extra[count])) <= limit * alone]
+        step_ms = {count: alone + max(float(np.interp(done, *extra[count])), 0.0) for count in extra}
+        fitting = [count for count, ms in step_ms.items() if ms <= limit * alone]
         count = max(fitting) if fitting else min(extra)
-        step = alone + max(float(np.interp(done, *extra[count])), 0.0)
-        done, steps, total, longest = done + count, steps + 1, total + step, max(longest, step)
+        done, steps, total, longest = done + count, steps + 1, total + step_ms[count], max(longest, step_ms[count])
     schedule = {"limit": limit, "steps": steps, "total_ms": total, "longest_step_ratio": longest / alone}
     if result.get("long_ttft_solo_ms"):
         schedule["ttft_ratio"] = total / result["long_ttft_solo_ms"]
@@ -619,8 +618,8 @@ def report(result: dict) -> str:
                            f"{value('long_pacer_unit_us', 1)} us a chunk_cost unit beside them, budget "
                            f"{result['long_pacer_last_budget']}" if "long_pacer_last_budget" in result else ""))
     if "mixed_rows_alone_ms" in result:
-        rows.append(f"one step, device ms: {result['mixed_rows']} decode rows alone {result['mixed_rows_alone_ms']:.2f}; "
-                    "a C-position chunk after P positions alone / beside them:")
+        rows.append(f"one step, device ms: {result['mixed_rows']} decode rows alone "
+                    f"{result['mixed_rows_alone_ms']:.2f}; a C-position chunk after P positions alone / beside them:")
         for count, points in result.get("mixed_by_chunk", {}).items():
             rows.append(f"  C={count}: " + ", ".join(f"P={start} {times['chunk_alone_ms']:.2f} / "
                                                      f"{times['together_ms']:.2f}" for start, times in points.items()))

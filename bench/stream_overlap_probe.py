@@ -4,8 +4,9 @@ Issue 14 asks for two things at once while a 16k-position prompt is prefilled be
 per-token p99 within 2x of decoding alone, and the prompt's TTFT within 1.3x of its prefill alone. With one step at a
 time (the scheduler's mixed steps) a step held to L times the rows' own adds at most (L - 1) of it in prompt work, so
 the prompt's TTFT is at least about 0.75 L / (L - 1) times its own at 384-position chunks, 1.5x at L = 2
-(docs/performance.md, twelfth round, corrected in the fourteenth). A decode step of a few rows reads the weights at the memory's speed and leaves the tensor cores idle; a long chunk's products are bound
-by compute. This probe measures how much the two slow each other when they run at the same time on two streams.
+(docs/performance.md, twelfth round, corrected in the fourteenth). A decode step of a few rows reads the weights at
+the memory's speed and leaves the tensor cores idle; a long chunk's products are bound by compute. This probe
+measures how much the two slow each other when they run at the same time on two streams.
 
 Raw torch on LLaVA-1.5-7B's decoder shapes with random bf16 weights shared by both (no paged cache, no scheduler):
 a decode step of ``--rows`` rows (products, SDPA over ``--context`` cached positions each) and a prefill chunk of
