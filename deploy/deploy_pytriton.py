@@ -142,7 +142,8 @@ class DeployPyTriton:
         self._warm_up_mark = {_WARM_UP_PARAMETER: secrets.token_hex(16)}
 
     def deploy(self) -> None:
-        """Check ports, run the warm-up request, and bind the model to a (not yet started) Triton server."""
+        """Check ports, run the warm-up request, hold the metrics port, and bind the model to a (not yet started)
+        Triton server."""
         if self.triton is not None:
             raise DeployError("deploy() was already called")
         self._check_ports()
@@ -151,7 +152,15 @@ class DeployPyTriton:
             LOGGER.info("removed %s, left behind by a serving process that is gone", path)
         self._warm_up()
         self.metrics = ServerMetrics(getattr(self.model, "pipeline", None))
-        self.triton = self._bound_triton()
+        try:
+            # bound now, served from run(): no other socket (Triton's, a warm-up client's) can take the port between
+            self._triton_metrics_port = free_port("127.0.0.1")
+            self._metrics_server = MetricsServer(self.metrics, self.address, self.metrics_port,
+                                                 f"http://127.0.0.1:{self._triton_metrics_port}/metrics")
+            self.triton = self._bound_triton()
+        except BaseException:
+            self.stop()
+            raise
 
     def serve(self) -> None:
         """Start Triton (unless `run` did) and block until Ctrl-C or SIGTERM, then clean up; DeployError if Triton
@@ -189,8 +198,6 @@ class DeployPyTriton:
                 message = f"Triton did not start ({type(error).__name__}: {error}); see its log above"
                 raise DeployError(message) from error
             self._warm_up_through_triton()
-            self._metrics_server = MetricsServer(self.metrics, self.address, self.metrics_port,
-                                                 f"http://127.0.0.1:{self._triton_metrics_port}/metrics")
             self._metrics_server.start()
             started = getattr(self.model, "serving_started", None)
             if started is not None:  # work the model keeps for after READY (the other step graphs' captures)
@@ -217,7 +224,6 @@ class DeployPyTriton:
         self._running = False
 
     def _bound_triton(self) -> Triton:
-        self._triton_metrics_port = free_port("127.0.0.1")
         config = TritonConfig(
             allow_http=self.allow_http,
             allow_grpc=self.allow_grpc,

@@ -24,6 +24,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from deploy.startup import PortInUseError
+
 LOGGER = logging.getLogger(__name__)
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -191,14 +193,21 @@ class MetricsServer:
         server_class = type("MetricsHTTPServer", (ThreadingHTTPServer,),
                             {"address_family": socket.AF_INET6 if ":" in address else socket.AF_INET,
                              "daemon_threads": True})
-        self._server = server_class((address, port), handler)
+        try:
+            self._server = server_class((address, port), handler)
+        except OSError as error:
+            raise PortInUseError(f"metrics port {port} on {address} could not be bound ({error.strerror}); "
+                                 "choose a free port with --metrics_port / DeployPyTriton(metrics_port=)") from None
         self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-server", daemon=True)
 
     def start(self) -> None:
+        """Serve from a background thread; the port is held from construction on."""
         self._thread.start()
 
     def stop(self) -> None:
-        self._server.shutdown()
+        """Stop serving (if started) and release the port."""
+        if self._thread.is_alive():
+            self._server.shutdown()
         self._server.server_close()
 
 

@@ -244,6 +244,20 @@ def test_port_in_use_is_reported_before_start():
     assert deployer.triton is None
 
 
+def test_metrics_port_is_held_from_deploy_and_released_by_stop_without_run():
+    deployer = DeployPyTriton(
+        StubMultimodalModel(), MODEL, http_port=free_port(), grpc_port=free_port(), address="127.0.0.1"
+    )
+    deployer.deploy()
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", deployer.metrics_port))  # a warm-up client or Triton cannot take it
+    finally:
+        deployer.stop()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", deployer.metrics_port))
+
+
 def test_failing_warm_up_stops_the_deployment():
     class BrokenModel(StubMultimodalModel):
         def triton_warmup_request(self):
