@@ -37,3 +37,18 @@ def test_bench_runs_at_its_tiny_shape(tmp_path, script, arguments, json_name, ta
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert json.loads((tmp_path / json_name).read_text())
     assert table_line in done.stdout
+
+
+def test_pacer_replay_over_a_measured_h200_run():
+    """The pacer replayed over the fourteenth round's measured mixed steps (H200): with the graphs' padding counted,
+    the steps stay within each limit as the best one step at a time does; without it (the pacing then measured at
+    1.7: the rows' p99 2.00x), they overshoot it."""
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "pacer_replay.py"),
+                           str(REPO / "bench" / "results" / "paged_bench_h200_fourteenth_mixed.json"),
+                           "--limits", "1.7", "1.9"], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    p99 = [float(line.split("step p99 x")[1].split()[0]) for line in done.stdout.splitlines() if "step p99" in line]
+    counted, not_counted, serial = p99[0::3], p99[1::3], p99[2::3]
+    assert len(counted) == 2 and all(ratio <= limit + 0.01 for ratio, limit in zip(counted, (1.7, 1.9)))
+    assert all(ratio > limit + 0.2 for ratio, limit in zip(not_counted, (1.7, 1.9)))
+    assert all(abs(a - b) <= 0.02 for a, b in zip(counted, serial))

@@ -15,12 +15,12 @@ from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.paged_attention import FP8_DTYPE, PagedBatch, PagedKVCache, paged_attention
 from exporter.llm.paged_triton import split_count
-from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, SMALLEST_SHARE, ChunkPacer
+from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, SMALLEST_SHARE, ChunkPacer, chunk_cost
 from exporter.runtime.cuda_graphs import Piece, chunk_bucket_sizes
 from exporter.models import PromptLayout
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
 from exporter.runtime.pipeline import MediaNumbers, prompt_prefix
-from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, chunk_cost, generate
+from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, generate
 from support.decoders import (
     LONG_CONFIG,
     SCHEDULER_VOCAB,
@@ -261,6 +261,40 @@ def test_the_scheduler_chunks_follow_the_measured_times_and_its_tokens_stay_the_
     assert decoding.result(timeout=0) == static_greedy(model, _embeds(model, short), 40)
     mixed = [(rows, cost) for rows, cost, *_ in reads if cost]
     assert [cost for _, cost in mixed] == chunks and all(rows == 1 for rows, _ in mixed)
+
+
+def test_beside_decoding_rows_a_chunk_fills_a_step_graphs_size_and_reports_its_padding(model):
+    """With the step graphs' chunk sizes (as on CUDA; set here on the CPU), a chunk beside a decoding row is the
+    largest whole size within the budget (128 of a 200 budget, not 200 run as 256), the prompt's last piece reports
+    its padding to the pacer, a prompt alone is chunked as before, and the tokens are the static cache's."""
+    scheduler = _scheduler(model, block_size=16, max_num_tokens=600, max_slots=2, max_seq_len=1100)
+    scheduler.key_equivalent = float("inf")
+    scheduler.padded_chunk_sizes = (32, 64, 128, 256, 384)
+    pacer = scheduler.pacer = ChunkPacer()
+    reads = []
+    pacer.read_back = lambda *args: reads.append(args)
+    pacer.measured(1, 0.0, 0.010)
+    pacer.unit_s = (MIXED_STEP_LIMIT - 1) * 0.010 / 200.5  # 200 units beside a row
+    steps = record_steps(scheduler)
+    alone_ids = random_ids(36, 700)
+    alone = scheduler.submit(_embeds(model, alone_ids), alone_ids, SamplingParams(max_output_len=2))
+    scheduler.step()
+    assert steps[0] == (0, 600)  # no row decoding: the max_num_tokens budget, no padding counted
+    run_until_idle(scheduler)
+    short = random_ids(37, 10)
+    decoding = scheduler.submit(_embeds(model, short), short, SamplingParams(max_output_len=40))
+    scheduler.step()
+    beside = random_ids(38, 1000)
+    late = scheduler.submit(_embeds(model, beside), beside, SamplingParams(max_output_len=3))
+    del steps[:]
+    run_until_idle(scheduler)
+    chunks = [chunk for rows, chunk in steps if chunk and rows]
+    assert chunks == [128] * 7 + [104] and sum(chunks) == 1000
+    costs = [cost for _, cost, *_ in reads if cost]
+    assert costs[-8:] == [128.0] * 8  # the last piece of 104 runs as 128
+    assert late.result(timeout=0) == static_greedy(model, _embeds(model, beside), 3)
+    assert decoding.result(timeout=0) == static_greedy(model, _embeds(model, short), 40)
+    assert alone.result(timeout=0) == static_greedy(model, _embeds(model, alone_ids), 2)
 
 
 def test_each_decode_step_read_back_reports_the_chunk_cost_its_pieces_spent(model):

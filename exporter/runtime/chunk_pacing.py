@@ -10,14 +10,26 @@ the budget that keeps a mixed step within ``MIXED_STEP_LIMIT`` times the rows' o
 step graphs were captured for, nor below a share of it (the time per unit is measured at the current chunk, a
 step's fixed costs counted in: a smaller chunk measures a higher cost per unit, a larger budget follows, and the
 budget settles where the step takes the limit; the floor keeps a burst of slow steps from starving the prompt).
+
+``plan_counts`` spends a budget on the waiting prompts' next positions. Beside decoding rows a step graph computes
+the chunk's products for its padded size (the next chunk size captured), so there the padding counts in the cost:
+the chunk is the largest whose padded cost fits, a whole captured size where the prompt goes on, and the pacer
+measures what the device computed (a chunk just past a size's edge no longer costs a whole size more than planned).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
+from ..llm.config import DecoderConfig
+
 # A step with a prompt chunk beside decoding rows: at most this many times their own step, so that their per-token
-# p99 stays within 2x their own. Measured on the H100 (16 rows beside a 16k prompt, bench/paged_bench.py): at 1.7
-# their p99 was 1.93x and the prompt's TTFT 2.34x its lone prefill; at 1.9 2.17x and 1.92x; at 2.0 2.19x and 1.83x.
-MIXED_STEP_LIMIT = 1.7
+# p99 stays within 2x their own. Measured on an H200 before ``plan_counts`` counted the padding (16 rows beside a 16k
+# prompt, bench/paged_bench.py): at 1.7 their p99 was 2.00x and the prompt's TTFT 2.82x its lone prefill, the steps
+# overshooting where a chunk crossed a graph size's edge. The same pacing replayed over that run's measured steps
+# (``paced_schedule``) gives 2.04x and 2.75x as it was, and with the padding counted 1.90x and 2.21x at 1.9.
+MIXED_STEP_LIMIT = 1.9
 SAMPLE_WEIGHT = 0.25  # a new measurement's weight in the running averages (the last few steps count most)
 WAITED_S = 50e-6  # a read back that took this long waited for the device: the step had just finished
 SMALLEST_SHARE = 4  # the budget stays at least this fraction (1/n) of the largest chunk: a long prompt moves on
@@ -62,3 +74,66 @@ class ChunkPacer:
             return most
         alone = self.alone_s[min(self.alone_s, key=lambda measured: (abs(measured - rows), measured))]
         return max(1, most // SMALLEST_SHARE, min(most, int((self.limit - 1.0) * alone / self.unit_s)))
+
+
+def chunk_cost(count: int, start: int, key_equivalent: float) -> float:
+    """What prefilling positions ``[start, start + count)`` costs, in prompt positions of matrix products: each
+    position costs one, plus its attention to the keys before it (on average ``start + count / 2``), at
+    ``key_equivalent`` keys per position."""
+    return count * (1.0 + (start + count / 2) / key_equivalent)
+
+
+ATTENTION_COST = 2.0  # a chunk's attention runs at about half the rate of its matrix products (an estimate)
+
+
+def attention_key_equivalent(config: DecoderConfig) -> float:
+    """How many keys one position attends to for the cost of its matrix products: the multiply-adds of a layer's
+    weights per position over the ``2 x heads x head_dim`` per key (scores and values), at ``ATTENTION_COST``."""
+    hidden, heads, groups, dim = config.hidden_size, config.num_attention_heads, config.num_query_groups, \
+        config.head_dim
+    ffn = config.expert_ffn_hidden_size if config.num_moe_experts else config.ffn_hidden_size
+    experts = config.moe_router_topk if config.num_moe_experts else 1
+    weights = hidden * (heads + 2 * groups) * dim + heads * dim * hidden \
+        + experts * ffn * hidden * (3 if config.gated else 2)
+    return weights / (2 * heads * dim * ATTENTION_COST)
+
+
+def plan_counts(prompts: Sequence[tuple[int, int]], budget: int, key_equivalent: float,
+                padded_sizes: Sequence[int] = ()) -> tuple[list[int], float]:
+    """How many positions of each prompt, given in order as (first position to prefill, positions left), one step
+    prefills within ``budget`` ``chunk_cost`` units (a piece keeps at least an eighth of the budget, so that a long
+    prompt moves on), and the cost they spend. With ``padded_sizes`` (ascending; a chunk of up to the largest
+    computes its products for the next size up), the padding counts in that cost and the chunk is the largest
+    whose padded cost fits, or at most the smallest size."""
+    counts, cost = _fill(prompts, budget, key_equivalent, math.inf)
+    total = sum(counts)
+    if not padded_sizes or not total or total > padded_sizes[-1]:
+        return counts, cost
+    for size in reversed([size for size in padded_sizes if size <= _padded(total, padded_sizes)]):
+        counts, cost = _fill(prompts, budget, key_equivalent, size)
+        padding = _padded(sum(counts), padded_sizes) - sum(counts)
+        if cost + padding <= budget or size == padded_sizes[0]:
+            break
+    return counts, cost + padding
+
+
+def _padded(total: int, sizes: Sequence[int]) -> int:
+    return next(size for size in sizes if size >= total)
+
+
+def _fill(prompts: Sequence[tuple[int, int]], budget: int, key_equivalent: float,
+          room: float) -> tuple[list[int], float]:
+    """``plan_counts`` without padding, the chunk at most ``room`` positions."""
+    smallest = max(1, budget // 8)
+    remaining, cost = float(budget), 0.0
+    counts: list[int] = []
+    for start, left in prompts:
+        if remaining < 1 or room < 1:
+            break
+        count = int(min(left, remaining, room))
+        while count > smallest and chunk_cost(count, start, key_equivalent) > remaining:
+            count = max(smallest, int(count * remaining / chunk_cost(count, start, key_equivalent)))
+        spent = chunk_cost(count, start, key_equivalent)
+        remaining, cost, room = remaining - spent, cost + spent, room - count
+        counts.append(count)
+    return counts, cost

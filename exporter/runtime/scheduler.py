@@ -39,13 +39,12 @@ import torch
 from torch import Tensor
 
 from ..engine.progress import LOGGER
-from ..llm.config import DecoderConfig
 from ..llm.gemv import release_timing_buffers
 from ..llm.generate import Answer, BeamSearch, SamplingParams, check_requests
 from ..llm.model import Decoder
 from ..llm.sampling import RowSetup, TokenChooser, host_to_device
 from ..llm.tokenizer import Tokenizer
-from .chunk_pacing import ChunkPacer
+from .chunk_pacing import ChunkPacer, attention_key_equivalent, plan_counts
 from .cuda_graphs import MAX_PIECES, ForwardStep, LaunchedStep, Piece, activation_bytes, compile_ahead
 from .kv_cache import BlockPool, BlockTables, KVCacheOptions, allocate_cache, prefix_keys
 
@@ -286,6 +285,9 @@ class Scheduler:
         self.forward = ForwardStep(model, self.cache, self.tables.tensor, self.chooser, max_chunk=max_num_tokens,
                                    use_cuda_graphs=use_cuda_graphs)
         self.key_equivalent = attention_key_equivalent(model.config)
+        # the chunk sizes the step graphs compute a chunk for (the next one up): beside decoding rows, the padding
+        # counts in a chunk's cost (``plan_counts``)
+        self.padded_chunk_sizes: Sequence[int] = self.forward.chunk_buckets if self.forward.enabled else ()
         self.decode_steps = 0
         self.steps_queued_ahead = 0
         self.prefilled_positions = 0
@@ -476,7 +478,7 @@ class Scheduler:
         self._admit()
         decoding = [request for request in self._requests() if request.decoding and request.tokens_left]
         rows = decoding[-1].first_row + decoding[-1].width if decoding else 0
-        chunk = self._plan_chunk(self.chunk_budget(bool(decoding), rows))
+        chunk = self._plan_chunk(self.chunk_budget(bool(decoding), rows), bool(decoding))
         if decoding or chunk.pieces:
             self._launch(decoding, chunk)
         while self._inflight and (self._inflight[0].iteration < self._iteration or not (decoding or chunk.pieces)):
@@ -646,31 +648,23 @@ class Scheduler:
         most = min(self.max_num_tokens, self.decode_chunk_tokens)
         return self.pacer.budget(rows, most) if self.pacer is not None and rows else most
 
-    def _plan_chunk(self, budget: int) -> _Chunk:
-        """The next pieces of the admitted prompts, in admission order, within ``budget`` prompt positions (the
-        attention to earlier positions counted in, ``chunk_cost``; a piece keeps at least an eighth of it, so that a
-        long prompt moves on) and ``MAX_PIECES``, with the cost they spend (the pacer's measure of the chunk)."""
-        smallest = max(1, budget // 8)
-        remaining = float(budget)
-        chunk = _Chunk([])
-        for request in list(self.prefilling):
-            if request.handle.cancelled:
-                self.prefilling.remove(request)
-                self._release(request)
-                continue
-            if len(chunk.pieces) == MAX_PIECES or remaining < 1:
-                break
-            prompt = request.handle.prompt
+    def _plan_chunk(self, budget: int, decoding: bool) -> _Chunk:
+        """The next pieces of the admitted prompts, in admission order, within ``budget`` and ``MAX_PIECES``
+        (``plan_counts``; beside ``decoding`` rows a step graph's padding counted in), with the cost they spend
+        (the pacer's measure of the chunk)."""
+        for request in [request for request in self.prefilling if request.handle.cancelled]:
+            self.prefilling.remove(request)
+            self._release(request)
+        requests = self.prefilling[:MAX_PIECES]
+        counts, cost = plan_counts([(request.prefilled, len(request.handle.prompt) - request.prefilled)
+                                    for request in requests], budget, self.key_equivalent,
+                                   self.padded_chunk_sizes if decoding else ())
+        pieces = []
+        for request, count in zip(requests, counts):
             start = request.prefilled
-            count = min(len(prompt) - start, int(remaining))
-            while count > smallest and chunk_cost(count, start, self.key_equivalent) > remaining:
-                count = max(smallest, int(count * remaining / chunk_cost(count, start, self.key_equivalent)))
-            cost = chunk_cost(count, start, self.key_equivalent)
-            remaining -= cost
-            chunk.cost += cost
-            chunk.pieces.append((request, Piece(prompt[start:start + count], start, request.blocks.tables[0],
-                                                request.handle.adapter)))
-        return chunk
+            pieces.append((request, Piece(request.handle.prompt[start:start + count], start,
+                                          request.blocks.tables[0], request.handle.adapter)))
+        return _Chunk(pieces, cost)
 
     def _prefilled(self, request: _Running, count: int) -> None:
         """``count`` more prompt positions are queued: index the prompt blocks they complete."""
@@ -797,28 +791,6 @@ class Scheduler:
             handle.beams = request.search.results()
             handle.tokens = handle.beams[0] if handle.beams else []
         handle._finish(error)
-
-
-def chunk_cost(count: int, start: int, key_equivalent: float) -> float:
-    """What prefilling positions ``[start, start + count)`` costs, in prompt positions of matrix products: each
-    position costs one, plus its attention to the keys before it (on average ``start + count / 2``), at
-    ``key_equivalent`` keys per position."""
-    return count * (1.0 + (start + count / 2) / key_equivalent)
-
-
-ATTENTION_COST = 2.0  # a chunk's attention runs at about half the rate of its matrix products (an estimate)
-
-
-def attention_key_equivalent(config: DecoderConfig) -> float:
-    """How many keys one position attends to for the cost of its matrix products: the multiply-adds of a layer's
-    weights per position over the ``2 x heads x head_dim`` per key (scores and values), at ``ATTENTION_COST``."""
-    hidden, heads, groups, dim = config.hidden_size, config.num_attention_heads, config.num_query_groups, \
-        config.head_dim
-    ffn = config.expert_ffn_hidden_size if config.num_moe_experts else config.ffn_hidden_size
-    experts = config.moe_router_topk if config.num_moe_experts else 1
-    weights = hidden * (heads + 2 * groups) * dim + heads * dim * hidden \
-        + experts * ffn * hidden * (3 if config.gated else 2)
-    return weights / (2 * heads * dim * ATTENTION_COST)
 
 
 @torch.inference_mode()
