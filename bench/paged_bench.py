@@ -58,7 +58,7 @@ from exporter.models.neva import ImagePerception
 from exporter.models.templates import get_template
 from exporter.runtime import Pipeline, Request
 from exporter.runtime.pipeline import PHASES
-from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, ChunkPacer, plan_counts
+from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, ChunkPacer, padded_size, plan_counts
 from exporter.runtime.cuda_graphs import ForwardStep, Piece
 from exporter.runtime.kv_cache import KVCacheOptions
 from exporter.runtime.scheduler import Scheduler
@@ -415,7 +415,7 @@ def paced_schedule(result: dict, limit: float = MIXED_STEP_LIMIT, count_padding:
     while done < length:
         (count,), cost = plan_counts([(done, length - done)], pacer.budget(result["mixed_rows"], most),
                                      result["mixed_key_equivalent"], graph_sizes if count_padding else ())
-        padded = next(size for size in graph_sizes if size >= count)
+        padded = padded_size(count, graph_sizes)
         times.append(step_ms(min([size for size in measured_sizes if size >= padded], default=most), done))
         pacer.measured(result["mixed_rows"], cost, times[-1] / 1e3)
         done += count

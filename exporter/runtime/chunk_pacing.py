@@ -109,15 +109,16 @@ def plan_counts(prompts: Sequence[tuple[int, int]], budget: int, key_equivalent:
     total = sum(counts)
     if not padded_sizes or not total or total > padded_sizes[-1]:
         return counts, cost
-    for size in reversed([size for size in padded_sizes if size <= _padded(total, padded_sizes)]):
+    for size in reversed([size for size in padded_sizes if size <= padded_size(total, padded_sizes)]):
         counts, cost = _fill(prompts, budget, key_equivalent, size)
-        padding = _padded(sum(counts), padded_sizes) - sum(counts)
+        padding = padded_size(sum(counts), padded_sizes) - sum(counts)
         if cost + padding <= budget or size == padded_sizes[0]:
             break
     return counts, cost + padding
 
 
-def _padded(total: int, sizes: Sequence[int]) -> int:
+def padded_size(total: int, sizes: Sequence[int]) -> int:
+    """The size a chunk of ``total`` positions is computed for: the first of ``sizes`` (ascending) at least it."""
     return next(size for size in sizes if size >= total)
 
 
