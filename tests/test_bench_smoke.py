@@ -28,6 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
     ("skinny_probe.py", [], "skinny_probe.json", "rows: cuBLAS"),  # Triton's interpreter
     ("chunk_splits_probe.py", [], "chunk_splits_probe.json", "| engine 1 ("),  # Triton's interpreter
     ("stream_overlap_probe.py", [], "stream_overlap_probe.json", "chunk_shape"),
+    ("launch_overlap_probe.py", [], "launch_overlap_probe.json", "plain chain against torch"),  # interpreter
     ("late_reads.py", [], "late_reads.json", "read after the stream began"),  # the demo restarted, to READY
 ])
 def test_bench_runs_at_its_tiny_shape(tmp_path, script, arguments, json_name, table_line):
