@@ -103,7 +103,7 @@ def test_gemv_kernel_computes_the_gate(interpreted):
     bias = torch.randn(70, dtype=torch.bfloat16)
     out = torch.empty(1, 70, dtype=torch.bfloat16)
     gemv._gemv_kernel[(gemv.triton.cdiv(70, 16),)](h.reshape(-1), weight, bias, out, 70, 300, HAS_BIAS=True,
-                                                   GATED=True, BLOCK_N=16, BLOCK_K=128, PDL=False)
+                                                   GATED=True, BLOCK_N=16, BLOCK_K=128)
     reference = F.linear(_silu_gated(h.float()).to(torch.bfloat16).float(), weight.float(), bias.float())
     assert relative_error(out, reference) < 1e-2
 

@@ -11,7 +11,7 @@
 - `activate`: `act(gate) * up` of a `[gate; up]` row or `act(h)`, for SiLU, ReLU, squared ReLU and GELU (erf or
   tanh); a program a (token, block of 1024 columns).
 
-Each takes part in `launch_overlap` (its launch overlapping the previous kernel's end). Each computes in float32 and rounds where the op-by-op code rounds (the residual sum, RoPE's output, the
+Each computes in float32 and rounds where the op-by-op code rounds (the residual sum, RoPE's output, the
 activation before the gate's product), so a float32 model matches it to float32 rounding and a 16-bit one to
 within one rounding step. Nothing reads a host value, and the token count N is the grid's size (a program a
 token), not a kernel argument (only the split's value offset, N rows of keys, is one, which Triton specialises by
@@ -25,7 +25,6 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .launch_overlap import launch_options
 from .paged_attention import FP8_MAX
 
 try:
@@ -68,7 +67,7 @@ def norm(x: Tensor, delta: Tensor | None, weight: Tensor, bias: Tensor | None, e
             x, x if delta is None else delta, total, weight, weight if bias is None else bias, out, width,
             x.stride(0), 0 if delta is None else delta.stride(0), eps, RESIDUAL=delta is not None,
             LAYERNORM=bias is not None, ZERO_CENTERED=zero_centered, BLOCK=block,
-            num_warps=min(16, max(1, block // 512)), **launch_options(x.device))
+            num_warps=min(16, max(1, block // 512)))
     return total, out
 
 
@@ -98,8 +97,7 @@ def split_heads(qkv: Tensor, cos: Tensor | None, sin: Tensor | None, cache_layer
         *cache_strides, kv_scale.stride(0) if scaled else 0, kv_scale.stride(2) if scaled else 0, FP8_MAX,
         QPG=q_per_group, DIM=dim, ROTARY=rotary_dim if rotary else 0, CACHE=cache, SCALED=scaled,
         BLOCK_Q=triton.next_power_of_2(q_per_group), BLOCK_D=triton.next_power_of_2(dim),
-        num_warps=4 if q_per_group * dim >= 2048 else 1 if q_per_group * dim <= 256 else 2,
-        **launch_options(qkv.device))
+        num_warps=4 if q_per_group * dim >= 2048 else 1 if q_per_group * dim <= 256 else 2)
     return q, kv
 
 
@@ -114,20 +112,17 @@ def activate(h: Tensor, activation: str, gated: bool, gelu_approximation: str) -
     out = torch.empty(tokens, width, dtype=h.dtype, device=h.device)
     if tokens and width:
         _fused_activate_kernel[(tokens, triton.cdiv(width, ACTIVATION_BLOCK))](
-            h, out, width, h.stride(0), ACTIVATION=code, GATED=gated, BLOCK=ACTIVATION_BLOCK, num_warps=4,
-            **launch_options(h.device))
+            h, out, width, h.stride(0), ACTIVATION=code, GATED=gated, BLOCK=ACTIVATION_BLOCK, num_warps=4)
     return out
 
 
 if triton is not None:
-    from .launch_overlap import wait_for_previous
 
     @triton.jit
     def _fused_norm_kernel(x_ptr, delta_ptr, total_ptr, w_ptr, b_ptr, out_ptr, H, x_stride, delta_stride, eps,
                            RESIDUAL: tl.constexpr, LAYERNORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                           BLOCK: tl.constexpr, PDL: tl.constexpr):
+                           BLOCK: tl.constexpr):
         """One row: (x + delta, rounded) and its norm, in float32, rounded to the input's dtype."""
-        wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < H
@@ -164,9 +159,8 @@ if triton is not None:
             cache_kv_stride, cache_row_stride, cache_position_stride, cache_head_stride, cache_dim_stride,
             scale_kv_stride, scale_head_stride, FP8_MAX,
             QPG: tl.constexpr, DIM: tl.constexpr, ROTARY: tl.constexpr, CACHE: tl.constexpr, SCALED: tl.constexpr,
-            BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+            BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
         """One token's KV group: its QPG query heads, key and value (rows `[q.., k, v]` of `DIM` each)."""
-        wait_for_previous(PDL)
         token = tl.program_id(0).to(tl.int64)
         group = tl.program_id(1)
         groups = tl.num_programs(1)
@@ -227,9 +221,8 @@ if triton is not None:
 
     @triton.jit
     def _fused_activate_kernel(h_ptr, out_ptr, F, h_stride, ACTIVATION: tl.constexpr, GATED: tl.constexpr,
-                               BLOCK: tl.constexpr, PDL: tl.constexpr):
+                               BLOCK: tl.constexpr):
         """One token's block of output columns: act(gate) rounded to the dtype, times up where GATED."""
-        wait_for_previous(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < F

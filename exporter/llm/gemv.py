@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .launch_overlap import launch_options
 from .parallel_compile import compile_candidates_ahead, compiling_only
 
 try:
@@ -217,12 +216,11 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool = False) -
     vector = x.reshape(-1).contiguous()
     _tuned_gemv_kernel[lambda meta: (triton.cdiv(rows, meta["BLOCK_N"]),)](
         vector, weight, bias if bias is not None else weight, out, rows, depth, HAS_BIAS=bias is not None,
-        GATED=gated, **launch_options(x.device))
+        GATED=gated)
     return out
 
 
 if triton is not None:
-    from .launch_overlap import wait_for_previous
 
     @triton.jit
     def silu_gated(gate_ptr, offsets, mask, K):
@@ -234,10 +232,9 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """y[n] = sum_k W[n, k] x[k] (+ b[n]) for BLOCK_N rows per program, accumulated in float32; GATED: x is
-        `[gate; up]` (2K long) and the input silu(gate) * up. PDL: see `launch_overlap`."""
-        wait_for_previous(PDL)
+        `[gate; up]` (2K long) and the input silu(gate) * up."""
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)

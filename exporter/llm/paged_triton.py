@@ -31,7 +31,6 @@ import torch
 from torch import Tensor
 
 from .gemv import register_tuned, time_candidate
-from .launch_overlap import launch_options
 from .parallel_compile import compiling_only
 
 try:
@@ -102,8 +101,7 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, 
     fp8 = scales is not None
     k_scale, v_scale = (scales[0], scales[1]) if fp8 else (q, q)  # unused pointers without float8
     common = dict(QPG=per_group, QP=max(16, triton.next_power_of_2(per_group)), D=dim, DP=_padded(dim),
-                  BS=k.shape[1], FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype),
-                  **launch_options(q.device))
+                  BS=k.shape[1], FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0))
     scale = _LOG2E / math.sqrt(dim)
     kernel = _decode_tuned_fp8 if fp8 else _decode_tuned
@@ -175,7 +173,7 @@ def _chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scale
         q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0), *target_strides, tables.shape[1],
         window or 0, _LOG2E / math.sqrt(dim), QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1],
         TILE=CHUNK_TILE, SPLITS=splits, FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype),
-        MERGE=merge, **launch_options(q.device))
+        MERGE=merge)
     if splits > 1 and not merge:
         _merge(target, lse, out, splits)
     return out
@@ -252,11 +250,10 @@ def _merge(partial: Tensor, lse: Tensor, out: Tensor, splits: int) -> None:
     rows, heads, dim = out.shape
     _paged_merge_kernel[(rows, heads)](partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2),
                                        out.stride(0), out.stride(1), SPLITS=splits, SP=triton.next_power_of_2(splits),
-                                       D=dim, DP=_padded(dim), **launch_options(out.device))
+                                       D=dim, DP=_padded(dim))
 
 
 if triton is not None:
-    from .launch_overlap import wait_for_previous
 
     @triton.jit
     def _compute_q(q, FP8: tl.constexpr):
@@ -320,12 +317,11 @@ if triton is not None:
                              QPG: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                              BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
                              WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
-                             GROUP_MAJOR: tl.constexpr, PDL: tl.constexpr):
+                             GROUP_MAJOR: tl.constexpr):
         """One (row, KV head, split), the grid ``(rows, KV heads, splits)`` or with ``GROUP_MAJOR`` ``(KV heads,
         rows, splits)``: online softmax over the split's keys for the KV head's query heads. With
         ``MERGE`` the split that finishes last (its ticket from ``counters_ptr``) merges the row's splits into
-        ``merged_ptr`` (laid out as ``q``) and sets the ticket back to zero. ``PDL``: see `launch_overlap`."""
-        wait_for_previous(PDL)
+        ``merged_ptr`` (laid out as ``q``) and sets the ticket back to zero."""
         if GROUP_MAJOR:  # programs side by side read the same positions of every KV head: longer runs of bytes
             group, row, groups = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
         else:
@@ -397,10 +393,8 @@ if triton is not None:
 
     @triton.jit
     def _paged_merge_kernel(partial_ptr, lse_ptr, out_ptr, stride_pr, stride_ph, stride_ps, stride_or, stride_oh,
-                            SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                            PDL: tl.constexpr):
+                            SPLITS: tl.constexpr, SP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr):
         """One (row, head): the splits' partial outputs weighted by their share of the softmax mass."""
-        wait_for_previous(PDL)
         row = tl.program_id(0)
         head = tl.program_id(1)
         split = tl.arange(0, SP)
@@ -424,12 +418,10 @@ if triton is not None:
                             stride_tr, stride_ot, stride_oh, stride_os, max_blocks, window, scale, QPG: tl.constexpr,
                             D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
-                            WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
-                            PDL: tl.constexpr):
+                            WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr):
         """One (``BLOCK_M`` queries of a ``TILE``-query tile, head, split): causal online softmax over the split's
         share of those queries' keys (with ``MERGE``, the last split to finish merges them into ``merged_ptr``,
-        laid out as ``q``). A tile's part past its query count does nothing. ``PDL``: see `launch_overlap`."""
-        wait_for_previous(PDL)
+        laid out as ``q``). A tile's part past its query count does nothing."""
         program = tl.program_id(0)
         tile = program // (TILE // BLOCK_M)
         part = (program % (TILE // BLOCK_M)) * BLOCK_M

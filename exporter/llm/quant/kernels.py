@@ -47,7 +47,6 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..gemv import ACTIVATION_FIRST, activation_first, chosen, fastest, measure_ms, register_tuned
-from ..launch_overlap import launch_options
 from .formats import FP8_MAX, QuantLayout, dequantize
 
 try:
@@ -187,7 +186,6 @@ def _launch(tuned, kernel, x: Tensor, n: int, tensors: tuple, sizes: tuple, argu
            else torch.empty(rows, n, dtype=x.dtype, device=x.device))
     if not split:
         arguments["SPLIT_K"] = 1
-    arguments |= launch_options(x.device)
     if config is not None:
         tuned, arguments = kernel, arguments | config
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]),  # noqa: E731
@@ -362,7 +360,6 @@ def _row_bucket(rows: int) -> int:
 
 if triton is not None:
     from ..gemv import silu_gated
-    from ..launch_overlap import wait_for_previous
 
     @triton.jit
     def _exact_float(v, OFFSET: tl.constexpr):
@@ -428,16 +425,14 @@ if triton is not None:
     def _qlinear_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, W_STRIDE, NG, M_BUCKET,
                         INT4: tl.constexpr, G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
         """y[m, n] = sum_k x[m, k] (* xs[k]) W[n, k] (+ b[n]) for a BLOCK_M x BLOCK_N tile, in float32, over the
         program's slice of K (axis 2 of the grid: SPLIT_K slices of whole BLOCK_K tiles).
 
         DOT: tensor-core products of each dequantized tile (BLOCK_M >= 16), its operands rounded to the activation
         dtype as the reference's are; otherwise FMAs into a per-thread accumulator reduced once at the end (few
         rows: the weight read dominates). SPLIT_K > 1 adds the partial sum atomically into y (float32, zeroed; the
-        first slice adds the bias), else stores it in y's dtype. M_BUCKET only keys the autotuning. PDL: see
-        `launch_overlap`."""
-        wait_for_previous(PDL)
+        first slice adds the bias), else stores it in y's dtype. M_BUCKET only keys the autotuning."""
         rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
         part = tl.program_id(2)
         dtype = x_ptr.dtype.element_ty
@@ -495,15 +490,13 @@ if triton is not None:
     def _packed_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, WORDS, NG, M_BUCKET,
                        G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                        GATED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+                       SPLIT_K: tl.constexpr):
         """y = x W^T (+ b) for a BLOCK_M x BLOCK_N tile over the program's slice of K, W int4 in the
         `pack_int4_words` layout (WORDS words a row, chunks of 8 groups; BLOCK_K a multiple of a chunk).
 
         Each chunk's `[BLOCK_N, G]` words are loaded once; shift i and a mask give group i of the chunk (a plain
         tile in the words' own layout: no reordering), dequantized by one FMA with its rows' scale and scale x
-        zero, rounded to x's dtype and multiplied on tensor cores by x's columns of that group. PDL: see
-        `launch_overlap`."""
-        wait_for_previous(PDL)
+        zero, rounded to x's dtype and multiplied on tensor cores by x's columns of that group."""
         rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
         part = tl.program_id(2)
         dtype = x_ptr.dtype.element_ty
