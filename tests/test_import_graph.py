@@ -1,9 +1,13 @@
 """The project's import graph: no cycles among module-level imports of its packages (imports inside functions,
-the lazy ones, and those under `if TYPE_CHECKING:` do not count), and no test module imports another."""
+the lazy ones, and those under `if TYPE_CHECKING:` do not count), no test module imports another, and the GPU
+tests import without the serving side's packages."""
 
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,3 +110,23 @@ def test_no_test_module_imports_another():
             offenders += [f"{path.name} imports {name}" for name in names
                           if name.split(".")[0].startswith("test_") or name.split(".")[0] == "conftest"]
     assert offenders == []
+
+
+def test_the_gpu_tests_import_without_the_serving_packages():
+    """The GPU test modules (and conftest) import where the serving side's packages are missing, as on a bare GPU
+    machine that has torch, transformers and the engine's dependencies only: nothing they import at module level
+    reaches PyTriton, Triton's client, PyAV, soundfile, openai or prometheus_client."""
+    blocked = ("pytriton", "tritonclient", "av", "openai", "soundfile", "prometheus_client")
+    gpu_tests = sorted(path.stem for path in (REPO / "tests").glob("test_*gpu*.py"))
+    code = (
+        "import importlib.abc, sys\n"
+        "class Blocked(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        f"        if name.split('.')[0] in {blocked!r}:\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Blocked())\n"
+        f"for name in ['conftest', *{gpu_tests!r}]:\n"
+        "    __import__(name)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])})
+    assert gpu_tests and done.returncode == 0, done.stderr[-3000:]

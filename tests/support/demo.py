@@ -1,5 +1,7 @@
 """The demo Neva (demo/neva_demo.nemo, which names the shape and colour in 64x64 pictures): its questions, its
-builder's fresh images, and the demo exported and served in this process or by `deploy_triton.py --config demo`."""
+builder's fresh images, and the demo exported and served in this process or by `deploy_triton.py --config demo`.
+The serving side (PyTriton, Triton's client) is imported only by the functions that serve, so the GPU tests that
+use the demo's engine import on a machine without it."""
 
 from __future__ import annotations
 
@@ -10,12 +12,14 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
-from deploy import DeployPyTriton
-from deploy.startup import free_port
 from exporter import TensorRTMMExporter
-from support.servers import DEPLOY_SCRIPT, REPO, ScriptServer, poll_ready, stop_server
 
+if TYPE_CHECKING:
+    from support.servers import ScriptServer
+
+REPO = Path(__file__).resolve().parents[2]
 DEMO_NEMO = REPO / "demo" / "neva_demo.nemo"
 DEMO_IMAGES = REPO / "demo" / "images"
 MODEL = "demo"  # the name the demo is served by
@@ -36,6 +40,9 @@ def demo_script_server(folder: Path, *flags: str) -> Iterator[ScriptServer]:
     """`deploy_triton.py --config demo` exporting the demo Neva into `folder`, with the OpenAI front, on free
     loopback ports, its output in `folder/server.log`; ready when entered (its OpenAI front answers only then),
     stopped as by Ctrl-C on exit."""
+    from deploy.startup import free_port
+    from support.servers import DEPLOY_SCRIPT, ScriptServer, poll_ready, stop_server
+
     ports = {name: free_port() for name in ("http", "grpc", "openai", "metrics")}
     command = [sys.executable, str(DEPLOY_SCRIPT), "--config", "demo", "-vc", str(DEMO_NEMO), "-tmr",
                str(folder / "repo"), "-trp", str(ports["http"]), "--grpc_port", str(ports["grpc"]), "--openai_port",
@@ -59,6 +66,9 @@ def demo_deployed(engine_dir: Path, max_batch_size: int, max_output_len: int, st
                   max_beam_width: int = 1, model_type: str = "neva") -> Iterator[tuple[str, str, object]]:
     """The demo Neva exported into `engine_dir` (float32, CPU, max_input_len 200) as `model_type` and served in this
     process by `DeployPyTriton` on free loopback ports: (HTTP URL, gRPC URL, the deployer), stopped on exit."""
+    from deploy import DeployPyTriton
+    from deploy.startup import free_port
+
     exporter = TensorRTMMExporter(engine_dir, device="cpu")
     exporter.export(DEMO_NEMO, model_type=model_type, dtype="float32", max_batch_size=max_batch_size,
                     max_input_len=200, max_output_len=max_output_len, max_multimodal_len=max_batch_size * 64,
