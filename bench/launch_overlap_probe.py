@@ -17,7 +17,7 @@ the step's microseconds, per kernel, GB/s of weights and the share of the copy b
 and the largest difference from the plain chain's output (whose own error against torch's float32 products, relative
 to the output's largest value, is recorded too). Writes ``$OUT/launch_overlap_probe.json``.
 
-    python bench/launch_overlap_probe.py          # CUDA, sm_90 for the pdl modes; about 10 s on an H200
+    python bench/launch_overlap_probe.py          # CUDA, sm_90 for the pdl modes; about 25 s on an H200
     python bench/launch_overlap_probe.py --tiny   # tiny shapes on the CPU under Triton's interpreter (plain only)
 """
 
