@@ -37,6 +37,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 from llava_bench import copy_bandwidth, save_result  # noqa: E402
 
+from exporter.llm.gemv import measure_ms  # noqa: E402
+
 LAYERS = 32
 LAYER_SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))
 TINY_SHAPES = ((96, 64), (64, 64), (160, 64), (64, 80))
@@ -96,27 +98,13 @@ def chain(weights: Sequence[torch.Tensor], x: torch.Tensor, tile: tuple, mode: s
     return run, outputs
 
 
-def step_us(run: Callable, device: torch.device, replays: int = 10) -> float:
-    """Microseconds of one run replayed from a CUDA graph (median; the L2 cache overwritten before each), or of one
-    eager run on the CPU."""
-    run()
+def step_us(run: Callable, device: torch.device) -> float:
+    """Microseconds of one run as the engine times its candidates (`gemv.measure_ms`: replayed from a CUDA graph,
+    the L2 cache evicted by a read before each), or 0 after one eager run on the CPU."""
     if device.type != "cuda":
-        return 0.0
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
         run()
-    evict = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    times = []
-    for _ in range(replays):
-        evict.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return sorted(times)[len(times) // 2]
+        return 0.0
+    return measure_ms(run) * 1e3
 
 
 def run(tiny: bool) -> dict:
