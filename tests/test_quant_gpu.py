@@ -97,6 +97,33 @@ def test_fp8_row_quantization_rounds_as_torch():
         assert mismatched < 1e-3, f"{rows}x{k}: {mismatched:.2%} of the values differ"
 
 
+@torch.inference_mode()
+def test_a_split_product_replayed_from_a_graph_gives_the_same_bits_and_leaves_its_tickets_at_zero():
+    """fc2's shape at one and 32 rows, K split in 8 (the engine's split at one row): each replay of a captured
+    product finishes every tile from its slices' partials in slice order (the same bits every replay, no zeroing
+    kernel in the graph) and sets every ticket counter back to zero."""
+    n, k = LLAVA[3]
+    generator = torch.Generator("cuda").manual_seed(2)
+    weight = torch.randn(n, k, device="cuda", generator=generator, dtype=torch.bfloat16) / k**0.5
+    layout = QuantLayout.of(QuantConfig("int8_wo"), n, k)
+    stored = quantize(weight, layout)
+    tensors = (stored["weight"], stored["weight_scale"])
+    for rows, tile in ((1, {"BLOCK_N": 4, "BLOCK_K": 512}), (32, {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128})):
+        x = torch.randn(rows, k, device="cuda", generator=generator, dtype=torch.bfloat16)
+        run = lambda: kernels.fused_linear(x, layout, *tensors, config=tile | {"SPLIT_K": 8})  # noqa: E731
+        eager = run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run()
+        replays = []
+        for _ in range(3):
+            graph.replay()
+            replays.append(captured.clone())
+        assert all(torch.equal(eager, out) for out in replays)
+        assert relative_error(eager, x.float() @ dequantize(layout, *tensors).T) < 1e-2
+        assert not kernels._TICKETS[stored["weight"]][-1].any()
+
+
 def _decoder(method: str, device: str, dtype: torch.dtype, quantized_from: torch.dtype = torch.float32) -> Decoder:
     """The tiny decoder quantized from weights in `quantized_from` (its scales are exact in that dtype), loaded in
     `dtype` on `device`."""

@@ -60,8 +60,8 @@ def _tensors(stored: dict) -> tuple:
 @pytest.mark.parametrize("method", QUANT_METHODS)
 @pytest.mark.parametrize("shape", LLAVA_SCALED + UNALIGNED, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_decode_kernel_equals_dequantize_then_matmul(kernels, method, shape):
-    """1..8 rows (FMA accumulation), unsplit and with K split over 2 or 3 programs (float32 atomic partial sums),
-    bfloat16 activations, bias on the unaligned shapes."""
+    """1..8 rows (FMA accumulation), unsplit and with K split over 2 or 3 programs (float32 partial sums, added
+    by the slice that finishes last), bfloat16 activations, bias on the unaligned shapes."""
     n, k = shape
     layout, stored = _stored(method, n, k, torch.bfloat16, seed=n + k)
     bias = torch.randn(n, dtype=torch.bfloat16) if shape in UNALIGNED else None
@@ -89,6 +89,25 @@ def test_tensor_core_kernel_equals_dequantize_then_matmul(kernels, method, dtype
             out = kernels.fused_linear(x, layout, *_tensors(stored), bias, config=config, dot=True)
             error = relative_error(out, _reference(x, layout, stored, bias))
             assert error < (1e-5 if dtype == torch.float32 else 1e-2), f"{n}x{k}, {rows} rows: {error:.2e}"
+
+
+def test_a_split_product_finishes_in_one_kernel_and_leaves_its_tickets_at_zero(kernels):
+    """K split over 3 slices: the slice that finishes a tile last adds the three partials (with the bias) in slice
+    order, so two runs give the same bits; every ticket counter is back at zero after the product (a captured graph
+    replays it with no zeroing kernel), and a product with more tiles grows the weight's counters, keeping the
+    smaller ones (graphs captured earlier read them)."""
+    layout, stored = _stored("int8_wo", 65, 160, torch.float32, seed=7)
+    weight, bias = stored["weight"], torch.randn(65)
+    x = torch.randn(2, 160, generator=torch.Generator().manual_seed(4))
+    split = {"BLOCK_N": 16, "BLOCK_K": 32, "SPLIT_K": 3}
+    first = kernels.fused_linear(x, layout, *_tensors(stored), bias, config=split)
+    assert torch.equal(first, kernels.fused_linear(x, layout, *_tensors(stored), bias, config=split))
+    assert relative_error(first, _reference(x, layout, stored, bias)) < 1e-5
+    held = kernels._TICKETS[weight]
+    assert len(held) == 1 and held[0].numel() >= 5 and not held[0].any()  # 5 output tiles of 16 rows
+    kernels.fused_linear(x, layout, *_tensors(stored), bias, config=split | {"BLOCK_N": 1})
+    assert [t.numel() >= n for t, n in zip(held, (5, 65), strict=True)] == [True, True]
+    assert not held[1].any()
 
 
 @pytest.mark.parametrize("method", QUANT_METHODS)
@@ -205,7 +224,7 @@ def test_kernel_compiles_for_hopper(case):
 
     int4, weight_type, dot, split, block_m, block_n, block_k = case
     pointers = {"x_ptr": "*bf16", "w_ptr": weight_type, "s_ptr": "*bf16", "z_ptr": "*bf16", "xs_ptr": "*bf16",
-                "b_ptr": "*bf16", "y_ptr": "*fp32" if split > 1 else "*bf16"}
+                "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "c_ptr": "*i32"}
     sizes = dict.fromkeys(("M", "N", "K", "W_STRIDE", "NG", "M_BUCKET"), "i32")
     constants = {"INT4": int4, "G": 128 if int4 else 1, "HAS_INPUT_SCALE": int4, "HAS_BIAS": True,
                  "GATED": split == 4, "DOT": dot, "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
@@ -234,7 +253,7 @@ def test_packed_kernel_compiles_for_hopper(split, block_m, block_n):
     from exporter.llm.quant import kernels
 
     pointers = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "xs_ptr": "*bf16",
-                "b_ptr": "*bf16", "y_ptr": "*fp32" if split > 1 else "*bf16"}
+                "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "c_ptr": "*i32"}
     sizes = dict.fromkeys(("M", "N", "K", "WORDS", "NG", "M_BUCKET"), "i32")
     constants = {"G": 128, "HAS_INPUT_SCALE": True, "HAS_BIAS": True, "GATED": split == 2, "PRECISION": "tf32",
                  "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 1024, "SPLIT_K": split}

@@ -9,9 +9,10 @@ bucket) times them and keeps the fastest (`gemv.fastest`), so a candidate can on
   (N, K, group, rows) over a focused space of tile shapes. int4 has only the 2-to-8-row tensor-core tiles of it
   (`packed` is faster elsewhere, or dequantize + cuBLAS above 64 rows).
 - `split` (up to 64 rows): the same kernel with K split over SPLIT_K programs per output tile (a decode step or a
-  32-row batch has too few output tiles to keep every SM streaming), each adding its float32 partial sum
-  atomically into a zeroed buffer, which is then cast to the activation dtype. SPLIT_K and the tile are
-  autotuned.
+  32-row batch has too few output tiles to keep every SM streaming), each storing its float32 partial sum; the
+  slice that finishes last (its ticket from a counter of the weight's, `_tickets`) adds the partials in slice
+  order, adds the bias and stores the tile in the activation dtype, and sets the counter back to zero: one kernel
+  a product, its sums in a fixed order (the same output every run). SPLIT_K and the tile are autotuned.
 - `packed`, `packed_split` (int4, up to 64 rows): tensor-core tiles of a copy of the weight repacked so that one
   shift and mask of a tile of words gives a whole group (`pack_int4_words`), kept as tinygemm's copy is.
 - `dequant`: a Triton kernel writes the whole weight in the activation dtype, then cuBLAS multiplies.
@@ -174,24 +175,48 @@ def fused_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, 
     tensors = (x, weight, scale, dummy if zero is None else zero, dummy if input_scale is None else input_scale,
                dummy if bias is None else bias)
     sizes = (rows, n, k, weight.shape[1], layout.groups, _row_bucket(rows))
-    return _launch(_TUNED_KERNELS[dot, split], _qlinear_kernel, x, n, tensors, sizes, arguments, config, split)
+    return _launch(_TUNED_KERNELS[dot, split], _qlinear_kernel, x, n, tensors, sizes, arguments, config, split,
+                   weight)
 
 
 def _launch(tuned, kernel, x: Tensor, n: int, tensors: tuple, sizes: tuple, arguments: dict,
-            config: dict[str, int] | None, split: bool) -> Tensor:
+            config: dict[str, int] | None, split: bool, weight: Tensor) -> Tensor:
     """Run the autotuned `tuned`, or `kernel` at the tile shape `config`, over `[M, n]` output tiles and K slices
-    (grid axes 0, 1, 2): the output in x's dtype (split: float32 partial sums added into zeros, then cast)."""
+    (grid axes 0, 1, 2): the output in x's dtype. Split, the slices' float32 partial sums go to a buffer
+    `[SPLIT_K, M, n]` and the tickets saying which slice finishes a tile to `weight`'s counters (`_tickets`)."""
     rows = x.shape[0]
-    out = (torch.zeros(rows, n, dtype=torch.float32, device=x.device) if split
-           else torch.empty(rows, n, dtype=x.dtype, device=x.device))
+    out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if not split:
         arguments["SPLIT_K"] = 1
     if config is not None:
         tuned, arguments = kernel, arguments | config
+    tiles = [config] if config is not None else [c.kwargs for c in tuned.configs]
+    shapes = [(tile.get("BLOCK_M", arguments.get("BLOCK_M")), tile["BLOCK_N"], tile.get("SPLIT_K", 1))
+              for tile in tiles]
+    if split:
+        partials = torch.empty(max(s for _, _, s in shapes), rows, n, dtype=torch.float32, device=x.device)
+        tickets = _tickets(weight, max(triton.cdiv(rows, m) * triton.cdiv(n, b) for m, b, _ in shapes))
+    else:
+        partials = tickets = out  # not read
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]),  # noqa: E731
                          meta["SPLIT_K"])
-    tuned[grid](*tensors, out, *sizes, **arguments)
-    return out.to(x.dtype) if split else out
+    tuned[grid](*tensors, out, partials, tickets, *sizes, **arguments)
+    return out
+
+
+# weight -> its split products' ticket counters (int32 zeros, each set back to zero by the slice that finishes its
+# tile), the last the one in use; a grown weight keeps the smaller ones, which captured graphs may still read
+_TICKETS = WeakIdKeyDictionary()
+
+
+def _tickets(weight: Tensor, count: int) -> Tensor:
+    """At least `count` ticket counters of `weight`'s split products (whatever their rows: one weight's products
+    never run at once, its model being stepped by one thread)."""
+    held = _TICKETS.setdefault(weight, [])
+    if not held or held[-1].numel() < count:
+        held.append(torch.zeros(max(count, 2 * held[-1].numel() if held else 0), dtype=torch.int32,
+                                device=weight.device))
+    return held[-1]
 
 
 def pack_int4_words(layout: QuantLayout, weight: Tensor) -> Tensor:
@@ -222,7 +247,7 @@ def packed_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor,
                      GATED=gated, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     tensors = (x, words, scale, zero, scale if input_scale is None else input_scale, scale if bias is None else bias)
     sizes = (rows, n, k, words.shape[1], layout.groups, _row_bucket(rows))
-    return _launch(_TUNED_PACKED[split], _packed_kernel, x, n, tensors, sizes, arguments, config, split)
+    return _launch(_TUNED_PACKED[split], _packed_kernel, x, n, tensors, sizes, arguments, config, split, weight)
 
 
 def dequantize_on_device(layout: QuantLayout, weight: Tensor, scale: Tensor, zero: Tensor | None,
@@ -422,7 +447,8 @@ if triton is not None:
 
     # the row count and the number of groups are not specialized on (8 or 608 rows, 32 or 86 groups: one compile)
     @triton.jit(do_not_specialize=["M", "NG", "M_BUCKET"])
-    def _qlinear_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, W_STRIDE, NG, M_BUCKET,
+    def _qlinear_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, p_ptr, c_ptr, M, N, K, W_STRIDE, NG,
+                        M_BUCKET,
                         INT4: tl.constexpr, G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
@@ -431,8 +457,8 @@ if triton is not None:
 
         DOT: tensor-core products of each dequantized tile (BLOCK_M >= 16), its operands rounded to the activation
         dtype as the reference's are; otherwise FMAs into a per-thread accumulator reduced once at the end (few
-        rows: the weight read dominates). SPLIT_K > 1 adds the partial sum atomically into y (float32, zeroed; the
-        first slice adds the bias), else stores it in y's dtype. M_BUCKET only keys the autotuning."""
+        rows: the weight read dominates). SPLIT_K > 1: `_store_tile` finishes the tile from the slices' partials
+        (`p_ptr`, `[SPLIT_K, M, N]` float32) and tickets (`c_ptr`). M_BUCKET only keys the autotuning."""
         rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
         part = tl.program_id(2)
         dtype = x_ptr.dtype.element_ty
@@ -462,7 +488,7 @@ if triton is not None:
             y = tl.sum(acc, axis=2)
         if not INT4:
             y = y * tl.load(s_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-        _store_tile(y, b_ptr, y_ptr, rows, row_ok, tokens, token_ok, N, part, HAS_BIAS, SPLIT_K)
+        _store_tile(y, b_ptr, y_ptr, p_ptr, c_ptr, rows, row_ok, tokens, token_ok, M, N, part, HAS_BIAS, SPLIT_K)
 
     @triton.jit
     def _program_tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -472,22 +498,38 @@ if triton is not None:
         return rows, rows < N, tokens, tokens < M
 
     @triton.jit
-    def _store_tile(y, b_ptr, y_ptr, rows, row_ok, tokens, token_ok, N, part, HAS_BIAS: tl.constexpr,
-                    SPLIT_K: tl.constexpr):
-        """A program's float32 output tile `y [tokens, rows]`, plus the bias (the first K slice adds it), stored
-        in y's dtype, or with SPLIT_K > 1 added atomically into y (float32, zeroed)."""
-        if HAS_BIAS:
-            if part == 0:
-                y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-        out = y_ptr + tokens[:, None] * N + rows[None, :]
+    def _store_tile(y, b_ptr, y_ptr, p_ptr, c_ptr, rows, row_ok, tokens, token_ok, M, N, part,
+                    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr):
+        """A program's float32 output tile `y [tokens, rows]` plus the bias, stored in y's dtype. With SPLIT_K > 1,
+        y is slice `part`'s partial: stored in `p_ptr` (`[SPLIT_K, M, N]`); the slice that takes the tile's last
+        ticket (`c_ptr`, by output tile) sets the counter back to zero and stores the sum of the slices' partials
+        in slice order (read past the L1 cache: other programs wrote them)."""
+        mask = token_ok[:, None] & row_ok[None, :]
+        offsets = tokens[:, None] * N + rows[None, :]
         if SPLIT_K > 1:
-            tl.atomic_add(out, y, mask=token_ok[:, None] & row_ok[None, :], sem="relaxed")  # sums need no order
+            tl.store(p_ptr + part * M * N + offsets, y, mask=mask)
+            tl.debug_barrier()  # every thread's partial stored before the ticket is taken (released with it)
+            tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+            if tl.atomic_add(c_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+                tl.store(c_ptr + tile, 0)
+                total = tl.load(p_ptr + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+                for other in tl.static_range(1, SPLIT_K):
+                    total += tl.load(p_ptr + other * M * N + offsets, mask=mask, other=0.0, cache_modifier=".cg")
+                _store_with_bias(total, b_ptr, y_ptr + offsets, rows, row_ok, mask, HAS_BIAS)
         else:
-            tl.store(out, y.to(y_ptr.dtype.element_ty), mask=token_ok[:, None] & row_ok[None, :])
+            _store_with_bias(y, b_ptr, y_ptr + offsets, rows, row_ok, mask, HAS_BIAS)
+
+    @triton.jit
+    def _store_with_bias(y, b_ptr, out_ptrs, rows, row_ok, mask, HAS_BIAS: tl.constexpr):
+        """`y` plus the bias of its weight rows, in the output's dtype."""
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptrs, y.to(out_ptrs.dtype.element_ty), mask=mask)
 
     # the row count and the number of groups are not specialized on
     @triton.jit(do_not_specialize=["M", "NG", "M_BUCKET"])
-    def _packed_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, M, N, K, WORDS, NG, M_BUCKET,
+    def _packed_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, p_ptr, c_ptr, M, N, K, WORDS, NG,
+                       M_BUCKET,
                        G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                        GATED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        SPLIT_K: tl.constexpr):
@@ -520,7 +562,8 @@ if triton is not None:
                     z = tl.load(z_ptr + rows * NG + group, mask=group_ok, other=0.0).to(tl.float32)
                     w = _exact_float((packed >> (4 * i)) & 15, 0.0) * s[:, None] - (z * s)[:, None]
                     acc = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
-        _store_tile(acc, b_ptr, y_ptr, rows, row_ok, tokens, token_ok, N, part, HAS_BIAS, SPLIT_K)
+        _store_tile(acc, b_ptr, y_ptr, p_ptr, c_ptr, rows, row_ok, tokens, token_ok, M, N, part, HAS_BIAS,
+                    SPLIT_K)
 
     @triton.jit
     def _dequantize_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, W_STRIDE, NG, INT4: tl.constexpr, G: tl.constexpr,
@@ -593,7 +636,7 @@ if triton is not None:
         return register_tuned(name, triton.autotune(
             configs=configs, key=["N", "K", "G", "HAS_INPUT_SCALE", "GATED", "BLOCK_M" if fma else "M_BUCKET"],
             prune_configs_by={"early_config_prune": _fits_registers if fma else _fits_rows},
-            reset_to_zero=["y_ptr"] if split else None, do_bench=_bench)(_qlinear_kernel))
+            do_bench=_bench)(_qlinear_kernel))
 
     # (dot, split) -> the autotuned kernel; SPLIT_K is ignored (absent) in the unsplit spaces
     _TUNED_KERNELS = {
@@ -631,8 +674,7 @@ if triton is not None:
             configs.append(triton.Config(values, num_warps=warps, num_stages=stages))
         return register_tuned(name, triton.autotune(
             configs=configs, key=["N", "K", "G", "HAS_INPUT_SCALE", "GATED", "M_BUCKET"],
-            prune_configs_by={"early_config_prune": _fits_packed}, reset_to_zero=["y_ptr"] if split else None,
-            do_bench=_bench)(_packed_kernel))
+            prune_configs_by={"early_config_prune": _fits_packed}, do_bench=_bench)(_packed_kernel))
 
     # split -> the autotuned packed kernel: 16 to 64 rows (1 row padded to 16) in 16- or 32-row tiles (64-row ones
     # take Hopper's wgmma, whose shared buffers exceed 228 KB at a chunk of 1024 columns; 32-row ones fit at 2
