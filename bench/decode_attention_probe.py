@@ -18,7 +18,7 @@ engine's calibration makes them). Writes ``$OUT/decode_attention_probe.json``.
 
     python bench/decode_attention_probe.py                           # CUDA (float8 from sm_89); under a minute
     python bench/decode_attention_probe.py --rows 16 --context 16000
-    python bench/decode_attention_probe.py --tiny     # tiny float32 shapes on the CPU, Triton's interpreter, no float8
+    python bench/decode_attention_probe.py --tiny     # tiny float32 shapes on the CPU under Triton's interpreter
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ def make_caches(shape: Shape, blocks: int, fp8: bool, device: torch.device) -> d
     caches = {str(shape.dtype).removeprefix("torch."): PagedKVCache(values.transpose(3, 4))}
     if fp8:
         scales = kv_scales_from_amax(values.abs().amax(dim=(2, 4, 5)))  # [1, 2, kv_heads]
-        stored = (values.float() / scales[..., None, None, None]).to(FP8_DTYPE)
+        stored = (values.float() / scales[:, :, None, :, None, None]).to(FP8_DTYPE)
         caches["float8"] = PagedKVCache(stored.transpose(3, 4), scales)
     return caches
 
@@ -97,7 +97,7 @@ def kept_config(fp8: bool) -> str:
 
 def probe(shape: Shape, rows_list: list[int], context: int, tiny: bool) -> dict:
     device = torch.device("cpu" if tiny else "cuda")
-    fp8 = not tiny and torch.cuda.get_device_capability(device) >= (8, 9)
+    fp8 = tiny or torch.cuda.get_device_capability(device) >= (8, 9)  # the interpreter loads float8 too
     per_row = -(-context // shape.block_size)
     blocks = max(max(rows_list) * per_row, paged_triton.TUNE_MIN_BLOCKS) + 1
     caches = make_caches(shape, blocks, fp8, device)
