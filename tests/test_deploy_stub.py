@@ -20,8 +20,8 @@ from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
 from deploy import DeployError, DeployPyTriton, PortInUseError
-from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
+from support.ports import free_port
 from support.servers import (
     DEPLOY_SCRIPT,
     assert_short_error,

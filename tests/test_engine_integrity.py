@@ -17,11 +17,11 @@ from pathlib import Path
 
 import pytest
 
-from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.engine import EngineError
 from support.archives import METADATA, replace_member, via_stack_global
 from support.media import random_image
+from support.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 LIMITS = {"max_batch_size": 1, "max_input_len": 256, "max_output_len": 4, "max_multimodal_len": 64}

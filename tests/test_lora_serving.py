@@ -16,13 +16,13 @@ from PIL import Image
 
 from deploy import DeployPyTriton
 from deploy.openai import OpenAIServer, create_app
-from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from query import NemoQueryMultimodal, QueryError
 from support.lora import nemo_config, with_adapter, write_adapter
 from support.media import data_url, random_image
 from support.neva_reference import reference_tokens
 from support.openai_front import assert_error_object, chat, client
+from support.ports import free_port
 from support.servers import (
     REPO,
     assert_short_error,

@@ -18,13 +18,13 @@ import torch
 
 import exporter.models
 from deploy.openai import OpenAIServer, create_app
-from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.models import ModelType, get_model_type, model_types, register_model_types
 from query import NemoQueryMultimodal, QueryError
 from support import picture_model_type
 from support.demo import COLOR_Q, DEMO_IMAGES, DEMO_NEMO, SHAPE_Q, demo_deployed
 from support.media import data_url
+from support.ports import free_port
 from wire import AUDIO, IMAGE, VIDEO, ServedModel
 
 REPO = Path(__file__).resolve().parent.parent

@@ -23,7 +23,6 @@ import sentencepiece
 from PIL import Image
 
 from deploy.openai import create_app
-from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.llm.generate import SamplingParams
 from exporter.media_safety import MediaPolicy
@@ -34,6 +33,7 @@ from support.demo import COLOR_Q, DEMO_IMAGES, MODEL, SHAPE_Q, load_demo_builder
 from support.media import data_url, encode_mp4, png_bytes, random_image
 from support.media_host import MediaHost
 from support.openai_front import assert_error_object, chat, client, image_message, serving
+from support.ports import free_port
 from support.salm import build_salm, write_clips
 from support.servers import REPO, get, poll_ready, post, stop_server, wait_until_ready
 from support.tokenizer_files import tokenizer_file

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.checkpoint import NemoCheckpoint
 from exporter.llm.config import QUANT_METHODS, DecoderConfig, QuantConfig
@@ -21,6 +20,7 @@ from exporter.llm.quant.calibrate import calibration_ids, calibration_prompts
 from exporter.llm.quant.convert import quantize_decoder_weights
 from query import NemoQueryMultimodal
 from support.demo import DEMO_NEMO, FRESH_IMAGES, FRESH_SEED, load_demo_builder
+from support.ports import free_port
 from support.servers import stop_server, wait_until_ready
 
 QUESTIONS = ("What shape is this?", "What color is the shape?")

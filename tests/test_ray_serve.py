@@ -29,9 +29,9 @@ import psutil
 import pytest
 import tomllib
 
-from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
 from support.demo import load_demo_builder
+from support.ports import free_port
 from support.servers import assert_short_error, poll_ready
 from wire import param_tensors
 

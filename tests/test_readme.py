@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from deploy.startup import free_port
+from support.ports import free_port
 from support.servers import poll_ready, stop_server
 
 REPO = Path(__file__).resolve().parent.parent

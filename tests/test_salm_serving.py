@@ -14,9 +14,9 @@ import pytest
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from query import NemoQueryMultimodal
+from support.ports import free_port
 from support.salm import build_salm, write_clips
 from support.servers import stop_server, wait_until_ready
 

@@ -12,9 +12,9 @@ import pytest
 from pytriton.client import ModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
-from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
 from support.demo import COLOR_Q, DEMO_NEMO, MODEL, SHAPE_Q, load_demo_builder
+from support.ports import free_port
 from support.servers import (
     REPO,
     assert_short_error,

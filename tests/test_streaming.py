@@ -20,9 +20,9 @@ from pytriton.client import DecoupledModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
 from deploy import DeployPyTriton
-from deploy.startup import free_port
 from query import NemoQueryMultimodal, QueryError
 from support.demo import COLOR_Q, DEMO_NEMO, MODEL, SHAPE_Q, demo_deployed, load_demo_builder
+from support.ports import free_port
 from support.servers import assert_short_error, stop_server, wait_until_ready
 
 REPO = Path(__file__).resolve().parent.parent

@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.checkpoint import NemoCheckpoint
 from exporter.engine.errors import EngineError
@@ -37,6 +36,7 @@ from exporter.runtime.tensor_parallel import join
 from query import NemoQueryMultimodal
 from support.decoders import make_tiny_gpt_weights
 from support.media import random_image
+from support.ports import free_port
 from support.servers import poll_ready, stop_server
 from support.tokenizer_files import tokenizer_file
 from support.vlm import build_vlm

@@ -12,7 +12,7 @@ import numpy as np
 from pytriton.client import DecoupledModelClient, ModelClient
 
 from deploy import DeployPyTriton
-from deploy.startup import free_port
+from support.ports import free_port
 from support.stub_model import StubMultimodalModel, describe_pixels, expected_answer
 
 MODEL = "stub"

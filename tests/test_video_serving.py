@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 
 from deploy import DeployPyTriton
-from deploy.startup import free_port
 from exporter import TensorRTMMExporter
 from exporter.llm.generate import SamplingParams
 from exporter.media_safety import MediaPolicy
@@ -14,6 +13,7 @@ from exporter.perception.video import VideoLoadError
 from exporter.runtime import Request
 from query import NemoQueryMultimodal
 from support.media import encode_mp4
+from support.ports import free_port
 from support.tokenizer_files import tokenizer_file
 from support.vlm import VIDEO_TYPES, build_vlm
 

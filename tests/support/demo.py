@@ -40,7 +40,7 @@ def demo_script_server(folder: Path, *flags: str) -> Iterator[ScriptServer]:
     """`deploy_triton.py --config demo` exporting the demo Neva into `folder`, with the OpenAI front, on free
     loopback ports, its output in `folder/server.log`; ready when entered (its OpenAI front answers only then),
     stopped as by Ctrl-C on exit."""
-    from deploy.startup import free_port
+    from support.ports import free_port
     from support.servers import DEPLOY_SCRIPT, ScriptServer, poll_ready, stop_server
 
     ports = {name: free_port() for name in ("http", "grpc", "openai", "metrics")}
@@ -67,7 +67,7 @@ def demo_deployed(engine_dir: Path, max_batch_size: int, max_output_len: int, st
     """The demo Neva exported into `engine_dir` (float32, CPU, max_input_len 200) as `model_type` and served in this
     process by `DeployPyTriton` on free loopback ports: (HTTP URL, gRPC URL, the deployer), stopped on exit."""
     from deploy import DeployPyTriton
-    from deploy.startup import free_port
+    from support.ports import free_port
 
     exporter = TensorRTMMExporter(engine_dir, device="cpu")
     exporter.export(DEMO_NEMO, model_type=model_type, dtype="float32", max_batch_size=max_batch_size,

@@ -9,9 +9,9 @@ from collections.abc import Iterator
 import openai
 
 from deploy.openai import OpenAIServer
-from deploy.startup import free_port
 from support.demo import MODEL
 from support.media import data_url
+from support.ports import free_port
 
 
 @contextlib.contextmanager
