@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import random
-import socket
+
+from deploy.startup import port_in_use
 
 _EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 
@@ -25,10 +26,6 @@ def free_port(address: str = "127.0.0.1") -> int:
     low = min(_ephemeral_low(), 32768)
     for _ in range(500):
         port = random.randrange(max(1024, low - 12000), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            try:
-                probe.bind((address, port))
-            except OSError:
-                continue
-        return port
+        if not port_in_use(address, port):  # the server's own check (`deploy.startup.check_port_free`)
+            return port
     raise RuntimeError(f"no free port found on {address} below {low}")

@@ -190,10 +190,10 @@ def _launch(tuned, kernel, x: Tensor, n: int, tensors: tuple, sizes: tuple, argu
         arguments["SPLIT_K"] = 1
     if config is not None:
         tuned, arguments = kernel, arguments | config
-    tiles = [config] if config is not None else [c.kwargs for c in tuned.configs]
-    shapes = [(tile.get("BLOCK_M", arguments.get("BLOCK_M")), tile["BLOCK_N"], tile.get("SPLIT_K", 1))
-              for tile in tiles]
-    if split:
+    if split:  # buffers for the largest split and tile count any configuration may take
+        tiles = [config] if config is not None else [c.kwargs for c in tuned.configs]
+        shapes = [(tile.get("BLOCK_M", arguments.get("BLOCK_M")), tile["BLOCK_N"], tile.get("SPLIT_K", 1))
+                  for tile in tiles]
         partials = torch.empty(max(s for _, _, s in shapes), rows, n, dtype=torch.float32, device=x.device)
         tickets = _tickets(weight, max(triton.cdiv(rows, m) * triton.cdiv(n, b) for m, b, _ in shapes))
     else:
