@@ -5,8 +5,10 @@ requests are left out of the metrics, a client's request sent meanwhile is count
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 from pytriton.client import DecoupledModelClient, ModelClient
@@ -63,6 +65,19 @@ def _phase_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("phase warm-up through Triton")]
 
 
+def _tritonserver_arguments(deployer: DeployPyTriton) -> list[str]:
+    """The command line of the `tritonserver` serving `deployer`'s workspace."""
+    workspace = str(deployer._workspace.path)
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            arguments = Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+        except OSError:
+            continue
+        if arguments[0].endswith("/tritonserver") and any(workspace in argument for argument in arguments):
+            return arguments
+    raise AssertionError(f"no tritonserver serves {workspace}")
+
+
 def _requests_counted(deployer: DeployPyTriton, kind: str | None = None) -> float:
     return sum(sample.value for metric in deployer.metrics.requests.collect() for sample in metric.samples
                if sample.name.endswith("_total") and kind in (None, sample.labels["kind"]))
@@ -79,6 +94,8 @@ def test_warm_up_goes_through_triton_to_each_instance_before_run_returns(caplog)
     model = RecordingModel(delay_s=0.3)  # long enough for the instances to take one request each at once
     deployer, url = _run(model, caplog)
     try:
+        arguments = _tritonserver_arguments(deployer)  # the configs load as written: no auto-complete process
+        assert arguments[arguments.index("--strict-model-config") + 1] == "true"
         through_triton = model.threads[1:]
         assert len(through_triton) == INSTANCES and model.streamed == 1
         assert threading.current_thread().name not in through_triton
