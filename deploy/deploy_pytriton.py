@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import http.client
 import json
 import logging
 import secrets
@@ -77,6 +78,43 @@ _BACKEND_FILES = {"model.py": "triton_stub_model.py", "triton_errors.py": "trito
 _WARM_UP_TIMEOUT_S = 120.0  # for each warm-up request through Triton, its client's set-up included
 _LOOPBACK = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}  # where this process reaches its own Triton
 _WARM_UP_PARAMETER = "nemo_mm_warm_up"  # a request parameter: this process's token on its own warm-up requests
+
+
+_READY_POLL_S = 0.02  # how often a starting Triton is asked whether it is ready
+_READY_POLL_LIMIT_S = 60.0  # then PyTriton's own wait, with its own timeout, takes over
+
+
+def wait_until_ready(host: str, port: int, alive: Callable[[], bool], limit_s: float = _READY_POLL_LIMIT_S) -> bool:
+    """Ask Triton's HTTP endpoint `/v2/health/ready` on `host:port` every `_READY_POLL_S` until it answers 200
+    (True), `alive()` turns False or `limit_s` has passed (False)."""
+    deadline = time.monotonic() + limit_s
+    while alive() and time.monotonic() < deadline:
+        connection = http.client.HTTPConnection(host, port, timeout=1.0)  # no proxy on loopback
+        try:
+            connection.request("GET", "/v2/health/ready")
+            if connection.getresponse().status == 200:
+                return True
+        except OSError:  # not listening yet
+            pass
+        finally:
+            connection.close()
+        time.sleep(_READY_POLL_S)
+    return False
+
+
+class _PromptTriton(Triton):
+    """PyTriton's `Triton`, seeing Triton ready within `_READY_POLL_S` through its HTTP endpoint (`ready_at`: host
+    and port, or None). PyTriton 0.7.0 asks once a second, so a Triton ready 0.8 s after its launch was waited
+    for until 1 s."""
+
+    def __init__(self, ready_at: tuple[str, int] | None, **kwargs):
+        super().__init__(**kwargs)
+        self._ready_at = ready_at
+
+    def _wait_for_server(self) -> None:
+        if self._ready_at is not None:
+            wait_until_ready(*self._ready_at, alive=self._is_alive_impl)
+        super()._wait_for_server()  # PyTriton's own wait: its first check finds Triton ready
 
 
 def _load_configs_as_written(triton: Triton) -> None:
@@ -245,7 +283,9 @@ class DeployPyTriton:
             exit_timeout_secs=30 + 2 * self.max_batch_size,
         )
         self._workspace = Workspace(workspace_path(PYTRITON_HOME))
-        triton = Triton(config=config, workspace=self._workspace, triton_lifecycle_policy=_LOCAL_MODELS)
+        ready_at = (self._loopback_host(), self.http_port) if self.allow_http else None
+        triton = _PromptTriton(ready_at, config=config, workspace=self._workspace,
+                               triton_lifecycle_policy=_LOCAL_MODELS)
         _load_configs_as_written(triton)
         models = [(self.triton_model_name, self._instance_fn, False)]
         if self.streaming:
@@ -308,13 +348,17 @@ class DeployPyTriton:
             ) from error
         LOGGER.info("warm-up request answered in %.2f s", time.monotonic() - started)
 
+    def _loopback_host(self) -> str:
+        """Where this process reaches its own Triton."""
+        return _LOOPBACK.get(self.address, self.address)
+
     def _warm_up_through_triton(self) -> None:
         """Send the warm-up request through the running Triton as a client does: `max_batch_size` at once, so
         that each instance gets one, then one through the streaming model (over gRPC, its streaming protocol).
         A failure is logged, never raised: the model answered the in-process warm-up, so it is served. Each request
         carries `_warm_up_mark`, which leaves it out of the metrics."""
         request = self._warmup_request()
-        host = _LOOPBACK.get(self.address, self.address)
+        host = self._loopback_host()
         host = f"[{host}]" if ":" in host else host  # an IPv6 address in a URL
         url = f"http://{host}:{self.http_port}" if self.allow_http else f"grpc://{host}:{self.grpc_port}"
         stream = self.streaming and self.allow_grpc

@@ -7,13 +7,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 from pytriton.client import DecoupledModelClient, ModelClient
 
 from deploy import DeployPyTriton
+from deploy.deploy_pytriton import wait_until_ready
 from support.ports import free_port
 from support.stub_model import StubMultimodalModel, describe_pixels, expected_answer
 
@@ -199,3 +202,30 @@ def test_a_client_request_during_the_warm_up_is_counted_and_the_warm_up_is_not()
         deployer.stop()
         serving.set()
         runner.join(60)
+
+
+def test_a_starting_triton_is_seen_ready_within_a_few_polls():
+    """PyTriton asks once a second; `wait_until_ready` sees the ready endpoint's first 200 within ~20 ms, and stops
+    asking when the server is no longer alive."""
+    ready_after = time.monotonic() + 0.3
+
+    class Health(BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - http.server's name
+            self.send_response(200 if self.path == "/v2/health/ready" and time.monotonic() >= ready_after else 400)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        assert wait_until_ready("127.0.0.1", port, alive=lambda: True, limit_s=5.0)
+        assert 0.0 <= time.monotonic() - ready_after < 0.15
+        started = time.monotonic()
+        assert not wait_until_ready("127.0.0.1", free_port(), alive=lambda: time.monotonic() < started + 0.2)
+        assert time.monotonic() - started < 0.5
+    finally:
+        server.shutdown()
+        server.server_close()
