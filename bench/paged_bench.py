@@ -50,17 +50,17 @@ from mixed_decode import decoder as random_decoder
 from transformers import CLIPVisionConfig, CLIPVisionModel
 
 from exporter.engine import Engine, EngineLimits
-from exporter.llm.generate import SamplingParams
 from exporter.llm import paged_triton
+from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder
 from exporter.llm.tokenizer import SentencePieceTokenizer
 from exporter.models.neva import ImagePerception
 from exporter.models.templates import get_template
 from exporter.runtime import Pipeline, Request
-from exporter.runtime.pipeline import PHASES
 from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, ChunkPacer, padded_size, plan_counts
 from exporter.runtime.cuda_graphs import ForwardStep, Piece
 from exporter.runtime.kv_cache import KVCacheOptions
+from exporter.runtime.pipeline import PHASES
 from exporter.runtime.scheduler import Scheduler
 
 # the scheduler's part of a request's TTFT, between the handle's milestones (submitted, taken up by the loop,
@@ -147,6 +147,10 @@ def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, m
             roofline = (result["weights_read_GB"] * 1e9 + rows * context * kv_token) / (result["copy_TBps"] * 1e12)
             out[f"decode_{kv_dtype}_{rows}_ms"] = ms
             out[f"decode_{kv_dtype}_{rows}_roofline_ms"] = roofline * 1e3
+        if rows_list and paged_triton.available() and scheduler.model.device.type == "cuda":
+            tuned = paged_triton._decode_tuned_fp8 if kv_dtype == "fp8" else paged_triton._decode_tuned
+            out[f"decode_configs_{kv_dtype}"] = sorted(f"rows up to {key[0]}: {config}"
+                                                       for key, config in tuned.cache.items())
         if kv_dtype == "auto":
             if "concurrent" in parts:
                 part(out, "concurrent", lambda: _concurrent(scheduler, sizes["concurrent"]))
@@ -686,6 +690,9 @@ def report(result: dict) -> str:
                     + ", ".join(f"{kind} {us:.0f}" for kind, us in result["breakdown_mixed_kernel_us_by_kind"].items()))
         rows += [f"    {line}" for line in result["breakdown_mixed_top_kernels_us"]]
     rows += [f"chunk kernel configuration chosen, {line}" for line in result.get("chunk_configs", [])]
+    for kv in ("auto", "fp8"):
+        rows += [f"decode kernel configuration chosen ({kv} KV), {line}"
+                 for line in result.get(f"decode_configs_{kv}", [])]
     rows += [f"{key}: {result[key]}" for key in sorted(result) if key.endswith("_error")]
     return "\n".join(rows)
 
