@@ -103,26 +103,23 @@ def wait_until_ready(host: str, port: int, alive: Callable[[], bool], limit_s: f
 
 
 class _PromptTriton(Triton):
-    """PyTriton's `Triton`, seeing Triton ready within `_READY_POLL_S` through its HTTP endpoint (`ready_at`: host
-    and port, or None). PyTriton 0.7.0 asks once a second, so a Triton ready 0.8 s after its launch was waited
-    for until 1 s."""
+    """PyTriton's `Triton`, started sooner (PyTriton 0.7.0 has no option for either, so both go around it):
+
+    - Triton loads each model's config as PyTriton wrote it, which is complete (`--strict-model-config true`).
+      Otherwise its Python backend starts one more backend process per model before the instances, only to ask
+      `model.py` to complete the config: 1.3-1.6 s of every start on a 2-core machine.
+    - It is seen ready within `_READY_POLL_S` through its HTTP endpoint (`ready_at`: host and port, or None).
+      PyTriton asks once a second, so a Triton ready 0.8 s after its launch was waited for until 1 s."""
 
     def __init__(self, ready_at: tuple[str, int] | None, **kwargs):
         super().__init__(**kwargs)
         self._ready_at = ready_at
+        self._triton_server_config["strict-model-config"] = "true"
 
     def _wait_for_server(self) -> None:
         if self._ready_at is not None:
             wait_until_ready(*self._ready_at, alive=self._is_alive_impl)
         super()._wait_for_server()  # PyTriton's own wait: its first check finds Triton ready
-
-
-def _load_configs_as_written(triton: Triton) -> None:
-    """Have Triton load each model's config as PyTriton wrote it, which is complete. Otherwise Triton's Python
-    backend starts one more backend process per model before its instances, only to ask `model.py` to complete the
-    config: 1.3-1.6 s of every start on a 2-core machine. PyTriton 0.7.0 has no option for it; its server
-    arguments are set here (Triton's `--strict-model-config true`)."""
-    triton._triton_server_config["strict-model-config"] = "true"
 
 
 def _interrupt(signum, frame) -> None:
@@ -286,7 +283,6 @@ class DeployPyTriton:
         ready_at = (self._loopback_host(), self.http_port) if self.allow_http else None
         triton = _PromptTriton(ready_at, config=config, workspace=self._workspace,
                                triton_lifecycle_policy=_LOCAL_MODELS)
-        _load_configs_as_written(triton)
         models = [(self.triton_model_name, self._instance_fn, False)]
         if self.streaming:
             models.append((stream_model_name(self.triton_model_name), self._stream_instance_fn, True))
