@@ -18,6 +18,7 @@ engine's calibration makes them). Writes ``$OUT/decode_attention_probe.json``.
 
     python bench/decode_attention_probe.py                           # CUDA (float8 from sm_89); under a minute
     python bench/decode_attention_probe.py --rows 16 --context 16000
+    python bench/decode_attention_probe.py --rows 64 128 --splits 1 2 4   # other split counts than the engine's
     python bench/decode_attention_probe.py --tiny     # tiny float32 shapes on the CPU under Triton's interpreter
 """
 
@@ -87,15 +88,15 @@ def decode_inputs(shape: Shape, rows: int, context: int, blocks: int,
     return q, tables.to(device, torch.int32), positions.to(device)
 
 
-def kept_config(fp8: bool) -> str:
+def kept_config(shape: Shape, fp8: bool) -> str:
     """The configuration the decode kernel's autotuner kept last (its only one under the interpreter)."""
-    tuned = paged_triton._decode_tuned_fp8 if fp8 else paged_triton._decode_tuned
+    tuned = paged_triton.decode_kernel(fp8, shape.heads // shape.kv_heads)
     config = getattr(tuned, "best_config", None) or tuned.configs[0]
     return " ".join(f"{name}={value}" for name, value in config.kwargs.items()) + \
         f" warps={config.num_warps} stages={config.num_stages}"
 
 
-def probe(shape: Shape, rows_list: list[int], context: int, tiny: bool) -> dict:
+def probe(shape: Shape, rows_list: list[int], context: int, tiny: bool, split_counts: list[int] | None = None) -> dict:
     device = torch.device("cpu" if tiny else "cuda")
     fp8 = tiny or torch.cuda.get_device_capability(device) >= (8, 9)  # the interpreter loads float8 too
     per_row = -(-context // shape.block_size)
@@ -103,9 +104,9 @@ def probe(shape: Shape, rows_list: list[int], context: int, tiny: bool) -> dict:
     caches = make_caches(shape, blocks, fp8, device)
     copy_gbps = copy_bandwidth(device, 1 << 20 if tiny else 1 << 28) * 1e3
     results = []
-    for rows in rows_list:
+    for rows, splits in [(rows, splits) for rows in rows_list
+                         for splits in split_counts or [decode_splits(rows, shape.kv_heads, device)]]:
         q, tables, positions = decode_inputs(shape, rows, context, blocks, device)
-        splits = decode_splits(rows, shape.kv_heads, device)
         outputs = {}
         for name, cache in caches.items():
             k, v, scales = cache.layer(0)
@@ -123,7 +124,7 @@ def probe(shape: Shape, rows_list: list[int], context: int, tiny: bool) -> dict:
             read = 2 * rows * context * shape.kv_heads * shape.dim * k.element_size()
             results.append(dict(kv=name, rows=rows, context=context, splits=splits, us=round(us, 2),
                                 GBps=round(read / us / 1e3, 1), copy_fraction=round(read / us / 1e3 / copy_gbps, 3),
-                                config=kept_config(scales is not None)))
+                                config=kept_config(shape, scales is not None)))
         if "float8" in outputs:
             reference = outputs[str(shape.dtype).removeprefix("torch.")]
             error = (outputs["float8"] - reference).abs().max().item() / reference.abs().max().item()
@@ -148,11 +149,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     parser.add_argument("--context", type=int, default=CONTEXT, help="positions of every row")
+    parser.add_argument("--splits", nargs="+", type=int,
+                        help="split counts to time at each row count (default: the engine's, decode_splits)")
     parser.add_argument("--tiny", action="store_true", help="tiny float32 shapes on the CPU under Triton's interpreter")
     arguments = parser.parse_args()
     tiny = arguments.tiny
     result = probe(TINY if tiny else LLAVA, [1, 3] if tiny else arguments.rows, 10 if tiny else arguments.context,
-                   tiny)
+                   tiny, arguments.splits)
     print(report(result))
     save_result("decode_attention_probe", result)
 

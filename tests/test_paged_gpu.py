@@ -2,7 +2,8 @@
 
 - the decode and chunk kernels in bfloat16 (and on float8 blocks) within 1e-2 of the gather + SDPA reference in
   float32, on the GPU (their key splits merged by a second kernel or in place, the latter the same on every
-  run), every chunk configuration (64 or 128 queries a program) over a long prefix;
+  run), every float8 MHA decode configuration (tensor-core tiles or key rows a lane), every chunk configuration
+  (64 or 128 queries a program) over a long prefix;
 - float32 greedy tokens through captured steps (prompts chunked onto running decode steps, a reused prefix, a
   4k-position prompt) equal the CPU's static cache;
 - float8 KV logits within 5% (relative norm) of bfloat16 KV logits through captured steps;
@@ -79,6 +80,34 @@ def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
         assert relative_error(got[:377], expected[:377]) < 1e-2, f"chunk, {splits} splits"
         assert not got[377:].any()  # queries no tile covers
         assert all(torch.equal(again, got) for again in runs[1:]) and not cache.counters.any()
+
+
+@torch.inference_mode()
+def test_every_float8_mha_decode_configuration_matches_the_reference():
+    """Each decode configuration over float8 blocks for one query head a KV head (LLaVA's 32 heads of 128),
+    bfloat16 queries: tensor-core tiles and key rows a lane on the CUDA cores, rows of 1 to 768 positions, in 1
+    and 4 splits merged in place."""
+    generator = torch.Generator("cuda").manual_seed(2)
+    block_size, rows, width, heads, dim = 32, 5, 24, 32, 128
+    cache = _random_cache(rows * width + 1, block_size, heads, dim, True, generator)
+    k, v, layer_scales = cache.layer(0)
+    tables = (torch.randperm(rows * width, device="cuda", generator=generator) + 1).view(rows, width).int()
+    positions = torch.tensor([0, 33, 200, 613, 767], device="cuda")
+    query = torch.randn(rows, heads, dim, device="cuda", generator=generator).bfloat16()
+    tuned = paged_triton.decode_kernel(True, 1)
+    saved = tuned.configs, tuned.cache
+    try:
+        for config in saved[0]:
+            tuned.configs, tuned.cache = [config], {}
+            for splits in (1, 4):
+                batch = PagedBatch(cache, rows=rows, tables=tables, positions=positions, span=768, splits=splits)
+                expected = paged_attention._decode_reference(query.float(), k, v, batch, layer_scales, None)
+                got = paged_triton._decode(query, k, v, tables, positions, layer_scales, splits, None,
+                                           cache.counters)
+                assert relative_error(got, expected) < 1e-2, f"{config}, {splits} splits"
+                assert not cache.counters.any()
+    finally:
+        tuned.configs, tuned.cache = saved
 
 
 @pytest.mark.parametrize("fp8", [False, True])

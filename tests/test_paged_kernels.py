@@ -30,10 +30,10 @@ def kernels():
 @pytest.fixture(params=[False, True], ids=["rows first", "KV heads first"])
 def decode_order(kernels, request):
     """The decode kernels run with their first configuration of this grid order (the interpreter cannot time
-    configurations: it runs one)."""
-    tuned = (kernels._decode_tuned, kernels._decode_tuned_fp8)
+    configurations: it runs one; float8 MHA: one with key rows a lane)."""
+    tuned = (kernels._decode_tuned, kernels._decode_tuned_fp8, kernels._decode_tuned_mha_fp8)
     saved = [(kernel.configs, kernel.cache) for kernel in tuned]
-    for kernel, configs in zip(tuned, (kernels._DECODE_CONFIGS, kernels._DECODE_FP8_CONFIGS)):
+    for kernel, configs in zip(tuned, (kernels._DECODE_CONFIGS, kernels._DECODE_FP8_CONFIGS, kernels._LANES_CONFIGS)):
         kernel.configs = [next(c for c in configs if c.kwargs["GROUP_MAJOR"] == request.param)]
         kernel.cache = {}
     yield request.param
@@ -87,6 +87,8 @@ SHAPES = [
     (torch.float16, 2, 3, 24, 1, False),
     (torch.float32, 2, 2, 16, 8, True),
     (torch.float16, 2, 2, 24, 8, True),  # 16-bit queries over float8 blocks: scores computed in float16
+    (torch.float16, 2, 1, 32, 8, True),  # MHA over float8 blocks (key rows a lane): values summed in float16
+    (torch.float32, 2, 1, 16, 4, True),  # the same with float32 queries: in float32
 ]
 
 
@@ -154,7 +156,8 @@ def test_the_configurations_are_timed_once_per_kind_of_call_on_representative_wo
 
     monkeypatch.setattr(paged_triton, "_INTERPRETED", False)
     monkeypatch.setattr(paged_triton, "_tuned", set())
-    kernels = (paged_triton._decode_tuned, paged_triton._decode_tuned_fp8, paged_triton._chunk_tuned)
+    kernels = (paged_triton._decode_tuned, paged_triton._decode_tuned_fp8, paged_triton._decode_tuned_mha_fp8,
+               paged_triton._chunk_tuned)
     for kernel in kernels:
         monkeypatch.setattr(kernel, "cache", {("timed on empty work",): "first"})
     timed = []

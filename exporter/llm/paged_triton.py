@@ -10,7 +10,10 @@ final output, never applied per element. A float8 cache's decode tiles take twic
 (the same bytes per iteration).
 
 - `decode`: one query token per row. A program takes one (row, KV head, split): it loads each key and value
-  block once for all the query heads of that KV head (GQA), over its share of the row's positions. With
+  block once for all the query heads of that KV head (GQA), over its share of the row's positions. Over a float8
+  cache with one query head a KV head (MHA) its candidates also include programs that give each key row to a
+  group of threads (a "lane": its own online softmax, merged with the others' at the end) on the CUDA cores: no
+  16-row tensor-core tile padding one query, and no shared memory, so more programs run at once. With
   `splits > 1` the row's positions are cut into that many parts (split-K: enough programs to keep every SM
   reading at small batch and long context) whose partial results the last part to finish merges, told so by a
   ticket it takes from the cache's counters (one kernel a layer: a merge kernel after it costs a launch a layer,
@@ -76,7 +79,7 @@ def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, s
     blocks `tables [>= R, max_blocks]` (int32). `scales [2, kv_heads]` for float8 blocks. With `splits > 1` and
     `counters` (int32, zero, at least `R x kv_heads`; left zero) the last split of each (row, KV head) to finish
     merges the splits, else a second kernel does. Returns `[R, heads, d]`. The first call of its kind first times
-    the kernel's configurations on rows of `TUNE_CONTEXT` positions (`_tune_first`)."""
+    the kernel's configurations on rows of up to `TUNE_CONTEXT` positions (`_tune_first`, `_tune_positions`)."""
     q = q.contiguous()
     rows = q.shape[0]
     if rows:
@@ -85,9 +88,16 @@ def decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, s
                      tables.shape[1], tables.dtype, positions.dtype, scales is not None, splits, window is not None,
                      counters is not None and counters.numel() >= rows * k.shape[2], q.device), k.shape[0],
                     lambda: _decode(q, k, v, _spread_tables(tables[:rows], k.shape[0]),
-                                    torch.full((rows,), context - 1, dtype=positions.dtype, device=q.device), scales,
-                                    splits, window, counters))
+                                    _tune_positions(rows, context, positions.dtype, q.device), scales, splits,
+                                    window, counters))
     return _decode(q, k, v, tables, positions, scales, splits, window, counters)
+
+
+def _tune_positions(rows: int, context: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """The last positions of ``rows`` decode rows timed by `_tune_first`: three quarters into ``context`` (a
+    table's width, capped), nearer where a running batch's rows are than its end (H200: configurations timed at
+    928 positions, a table's full width, were slower than others in steps over 608-736)."""
+    return torch.full((rows,), context * 3 // 4 - 1, dtype=dtype, device=device)
 
 
 def _decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, scales: Tensor | None,
@@ -104,7 +114,7 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, 
                   BS=k.shape[1], FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0))
     scale = _LOG2E / math.sqrt(dim)
-    kernel = _decode_tuned_fp8 if fp8 else _decode_tuned
+    kernel = decode_kernel(fp8, per_group)
     if splits <= 1:
         kernel[_decode_grid(rows, groups, 1)](q, k, v, tables, positions, k_scale, v_scale, out, out, out, out,
                                               *strides, out.stride(0), out.stride(1), 0, tables.shape[1],
@@ -122,6 +132,15 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, 
     if not merge:
         _merge(partial, lse, out, splits)
     return out
+
+
+def decode_kernel(fp8: bool, per_group: int):
+    """The autotuned decode kernel for a float8 cache or not and ``per_group`` query heads a KV head (float8 MHA:
+    its candidates also take key rows a lane on the CUDA cores, which were slower than tensor-core tiles over
+    bfloat16 blocks)."""
+    if fp8:
+        return _decode_tuned_mha_fp8 if per_group == 1 else _decode_tuned_fp8
+    return _decode_tuned
 
 
 def _decode_grid(rows: int, groups: int, splits: int):
@@ -203,7 +222,7 @@ def _tune_first(kind: tuple, pool_blocks: int, representative: Callable[[], obje
     if pool_blocks < TUNE_MIN_BLOCKS:
         return
     _tuned.add(text)
-    kernels = (_decode_tuned, _decode_tuned_fp8, _chunk_tuned)
+    kernels = (_decode_tuned, _decode_tuned_fp8, _decode_tuned_mha_fp8, _chunk_tuned)
     timed_before = [kernel.cache for kernel in kernels]
     for kernel in kernels:
         kernel.cache = {}
@@ -311,13 +330,49 @@ if triton is not None:
         return m_new, total, acc
 
     @triton.jit
+    def _attend_lanes(q, k_ptr, v_ptr, tables_ptr, table_row, lo, hi, first_key, group, max_blocks, stride_kb,
+                      stride_kt, stride_kh, d, d_ok, qk_scale, BS: tl.constexpr, DP: tl.constexpr,
+                      LANES: tl.constexpr, UNROLL: tl.constexpr, HALF: tl.constexpr):
+        """One query `q [DP]` (float32) over the keys `[lo, hi)` of one KV head of a row: `LANES` online softmaxes
+        side by side, lane l taking the keys l, l + LANES, ... (a key row a lane: no reduction across lanes until
+        the end, no tensor-core operand layout, no shared memory), `UNROLL` key rows a lane loaded per iteration.
+        With `HALF` (float8 values, 16-bit queries) the values are weighted and summed in float16, two a
+        instruction. Returns the merged running max `[1]`, sum `[1]` and output `[1, DP]`."""
+        lanes = tl.arange(0, LANES)
+        m = tl.full((LANES,), -1e30, dtype=tl.float32)
+        total = tl.zeros((LANES,), dtype=tl.float32)
+        acc = tl.zeros((LANES, DP), dtype=tl.float16 if HALF else tl.float32)
+        for start in range(lo, hi, LANES * UNROLL):
+            for part in tl.static_range(UNROLL):
+                keys = start + part * LANES + lanes
+                key_ok = (keys < hi) & (keys >= first_key)
+                page = tl.minimum(keys // BS, max_blocks - 1)
+                block = tl.load(tables_ptr + table_row + page, mask=key_ok, other=0).to(tl.int64)
+                offsets = block * stride_kb + (keys % BS).to(tl.int64) * stride_kt + group * stride_kh
+                mask = key_ok[:, None] & d_ok[None, :]
+                k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
+                v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0).to(acc.dtype)
+                s = tl.where(key_ok, tl.sum(q[None, :] * k, 1) * qk_scale, float("-inf"))
+                m_new = tl.maximum(m, s)
+                alpha = tl.exp2(m - m_new)
+                p = tl.exp2(s - m_new)
+                total = total * alpha + p
+                acc = acc * alpha.to(acc.dtype)[:, None] + p.to(acc.dtype)[:, None] * v
+                m = m_new
+        top = tl.max(m, 0)
+        weight = tl.exp2(m - top)
+        merged_total = tl.sum(total * weight, 0)
+        merged = tl.sum(acc.to(tl.float32) * weight[:, None], 0)
+        return top + tl.zeros((1,), dtype=tl.float32), merged_total + tl.zeros((1,), dtype=tl.float32), merged[None, :]
+
+    @triton.jit
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, positions_ptr, k_scale_ptr, v_scale_ptr, out_ptr,
                              lse_ptr, merged_ptr, counters_ptr, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh,
                              stride_tr, stride_or, stride_oh, stride_os, max_blocks, window, scale, row_bucket,
                              QPG: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                              BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
                              WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
-                             GROUP_MAJOR: tl.constexpr):
+                             GROUP_MAJOR: tl.constexpr, LANES: tl.constexpr = 0, UNROLL: tl.constexpr = 1):
         """One (row, KV head, split), the grid ``(rows, KV heads, splits)`` or with ``GROUP_MAJOR`` ``(KV heads,
         rows, splits)``: online softmax over the split's keys for the KV head's query heads. With
         ``MERGE`` the split that finishes last (its ticket from ``counters_ptr``) merges the row's splits into
@@ -336,22 +391,35 @@ if triton is not None:
         per_split = tl.cdiv(tl.cdiv(context, BLOCK_N) - first_tile, SPLITS)
         lo = (first_tile + split * per_split) * BLOCK_N
         hi = tl.minimum(lo + per_split * BLOCK_N, context)
-        lane = tl.arange(0, QP)
-        head_ok = lane < QPG
-        heads = group * QPG + lane
         d = tl.arange(0, DP)
         d_ok = d < D
-        q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                    mask=head_ok[:, None] & d_ok[None, :], other=0.0)
-        q = _compute_q(q, FP8)
-        qk_scale, m, total, acc = _softmax_start(scale, k_scale_ptr, group, QP, DP, FP8)
         table_row = row.to(tl.int64) * stride_tr
-        for start in range(lo, hi, BLOCK_N):
-            keys = start + tl.arange(0, BLOCK_N)
-            allowed = ((keys < hi) & (keys >= first_key))[None, :] & (lane >= 0)[:, None]
-            m, total, acc = _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, allowed, group, max_blocks,
-                                          stride_kb, stride_kt, stride_kh, d, d_ok, qk_scale, m, total, acc, BS, FP8,
-                                          PRECISION)
+        if LANES > 0:  # one query head a KV head: LANES independent softmaxes on the CUDA cores, merged at the end
+            lane = tl.arange(0, 1)
+            head_ok = lane < 1
+            heads = group + lane
+            q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + group * stride_qh + d, mask=d_ok,
+                        other=0.0).to(tl.float32)
+            qk_scale = scale
+            if FP8:
+                qk_scale = scale * tl.load(k_scale_ptr + group)
+            m, total, acc = _attend_lanes(q, k_ptr, v_ptr, tables_ptr, table_row, lo, hi, first_key, group,
+                                          max_blocks, stride_kb, stride_kt, stride_kh, d, d_ok, qk_scale, BS, DP,
+                                          LANES, UNROLL, FP8 and q_ptr.dtype.element_ty != tl.float32)
+        else:
+            lane = tl.arange(0, QP)
+            head_ok = lane < QPG
+            heads = group * QPG + lane
+            q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                        mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+            q = _compute_q(q, FP8)
+            qk_scale, m, total, acc = _softmax_start(scale, k_scale_ptr, group, QP, DP, FP8)
+            for start in range(lo, hi, BLOCK_N):
+                keys = start + tl.arange(0, BLOCK_N)
+                allowed = ((keys < hi) & (keys >= first_key))[None, :] & (lane >= 0)[:, None]
+                m, total, acc = _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, allowed, group,
+                                              max_blocks, stride_kb, stride_kt, stride_kh, d, d_ok, qk_scale, m,
+                                              total, acc, BS, FP8, PRECISION)
         found = total > 0
         acc = _softmax_end(acc, total, v_scale_ptr, group, FP8)
         out = out_ptr + row.to(tl.int64) * stride_or + heads[:, None] * stride_oh + split * stride_os + d[None, :]
@@ -369,7 +437,8 @@ if triton is not None:
                     _merge_splits(out_ptr + row.to(tl.int64) * stride_or + heads[:, None] * stride_oh + d[None, :],
                                   lse_ptr + (row * (QPG * groups) + heads) * SPLITS,
                                   merged_ptr + row.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                                  head_ok[:, None] & d_ok[None, :], head_ok, stride_os, QP, DP, SPLITS)
+                                  head_ok[:, None] & d_ok[None, :], head_ok, stride_os, 1 if LANES > 0 else QP,
+                                  DP, SPLITS)
 
     @triton.jit
     def _merge_splits(partial_ptrs, lse_ptrs, out_ptrs, mask, rows_ok, stride_os, ROWS: tl.constexpr,
@@ -512,6 +581,15 @@ if triton is not None:
                                         (128, 4, 3, True), (256, 4, 2, True), (256, 8, 2, True), (256, 4, 3, True),
                                         (32, 1, 3, False), (32, 1, 4, False), (32, 1, 3, True), (64, 2, 3, True))
     ]
+    # A float8 cache with one query head a KV head (MHA): also key rows a lane on the CUDA cores
+    # (`_attend_lanes`), first (the interpreter runs the first configuration)
+    _LANES_CONFIGS = [
+        triton.Config({"BLOCK_N": lanes * unroll, "GROUP_MAJOR": major, "LANES": lanes, "UNROLL": unroll},
+                      num_warps=warps, num_stages=1)
+        for lanes, unroll, warps, major in ((4, 4, 1, False), (4, 8, 1, False), (8, 4, 2, False), (8, 8, 2, False),
+                                            (16, 4, 4, False), (16, 2, 4, False), (8, 4, 1, False),
+                                            (4, 4, 1, True), (8, 4, 2, True), (16, 4, 4, True))
+    ]
     # A chunk over a long prefix is bound by its products (H100, 16k keys: ~250 TFLOP/s). Programs of 64 queries
     # (two per 128-query tile): on the H100 they won at every split count against programs of a whole tile (8
     # warps, 128 x 32-128 keys), which were dropped as candidates for the compile time they added to a first start.
@@ -523,11 +601,12 @@ if triton is not None:
     _CHUNK_PARTS = CHUNK_TILE // min(config.kwargs["BLOCK_M"] for config in _CHUNK_CONFIGS)
     # The interpreter (TRITON_INTERPRET=1, CPU checks) cannot time configurations: it runs the first.
     # registered: the kernel cache keeps their results (and `tuned_kinds`), so a restart times none of them again
-    _decode_tuned, _decode_tuned_fp8 = (
+    _decode_tuned, _decode_tuned_fp8, _decode_tuned_mha_fp8 = (
         register_tuned(name, triton.autotune(configs=configs[:1] if _INTERPRETED else configs,
                                              key=["row_bucket", "QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"],
                                              do_bench=time_candidate)(_paged_decode_kernel))
-        for name, configs in (("paged_decode", _DECODE_CONFIGS), ("paged_decode_fp8", _DECODE_FP8_CONFIGS)))
+        for name, configs in (("paged_decode", _DECODE_CONFIGS), ("paged_decode_fp8", _DECODE_FP8_CONFIGS),
+                              ("paged_decode_mha_fp8", _LANES_CONFIGS + _DECODE_FP8_CONFIGS)))
     _chunk_tuned = register_tuned("paged_chunk", triton.autotune(
         configs=_CHUNK_CONFIGS[:1] if _INTERPRETED else _CHUNK_CONFIGS,
         key=["QPG", "D", "BS", "SPLITS", "FP8", "stride_kt"], do_bench=time_candidate,
