@@ -148,8 +148,9 @@ def _scheduler_parts(model: Decoder, sizes: dict, result: dict, kv_dtype: str, m
             out[f"decode_{kv_dtype}_{rows}_ms"] = ms
             out[f"decode_{kv_dtype}_{rows}_roofline_ms"] = roofline * 1e3
         if rows_list and paged_triton.available() and scheduler.model.device.type == "cuda":
-            config = scheduler.model.config
-            tuned = paged_triton.decode_kernel(kv_dtype == "fp8", config.num_attention_heads // config.num_query_groups)
+            model_config = scheduler.model.config
+            tuned = paged_triton.decode_kernel(kv_dtype == "fp8",
+                                               model_config.num_attention_heads // model_config.num_query_groups)
             out[f"decode_configs_{kv_dtype}"] = sorted(f"rows up to {key[0]}: {config}"
                                                        for key, config in tuned.cache.items())
         if kv_dtype == "auto":

@@ -285,13 +285,17 @@ if triton is not None:
         return q
 
     @triton.jit
-    def _softmax_start(scale, k_scale_ptr, group, ROWS: tl.constexpr, DP: tl.constexpr, FP8: tl.constexpr):
-        """The score scale (float8 keys' scale folded in) and an empty running max, sum and output."""
-        qk_scale = scale
+    def _score_scale(scale, k_scale_ptr, group, FP8: tl.constexpr):
+        """The score scale, float8 keys' scale folded in."""
         if FP8:
-            qk_scale = scale * tl.load(k_scale_ptr + group)
-        return (qk_scale, tl.full((ROWS,), -1e30, dtype=tl.float32), tl.zeros((ROWS,), dtype=tl.float32),
-                tl.zeros((ROWS, DP), dtype=tl.float32))
+            return scale * tl.load(k_scale_ptr + group)
+        return scale
+
+    @triton.jit
+    def _softmax_start(scale, k_scale_ptr, group, ROWS: tl.constexpr, DP: tl.constexpr, FP8: tl.constexpr):
+        """The score scale (`_score_scale`) and an empty running max, sum and output."""
+        return (_score_scale(scale, k_scale_ptr, group, FP8), tl.full((ROWS,), -1e30, dtype=tl.float32),
+                tl.zeros((ROWS,), dtype=tl.float32), tl.zeros((ROWS, DP), dtype=tl.float32))
 
     @triton.jit
     def _softmax_end(acc, total, v_scale_ptr, group, FP8: tl.constexpr):
@@ -299,6 +303,19 @@ if triton is not None:
         if FP8:
             acc = acc * tl.load(v_scale_ptr + group)
         return acc / tl.where(total > 0, total, 1.0)[:, None]
+
+    @triton.jit
+    def _load_keys_values(k_ptr, v_ptr, tables_ptr, table_row, keys, key_ok, group, max_blocks, stride_kb,
+                          stride_kt, stride_kh, d, d_ok, BS: tl.constexpr):
+        """The key and value rows at positions `keys` of one KV head of a row, as stored (rows not `key_ok`:
+        zeros, their blocks not looked up)."""
+        page = tl.minimum(keys // BS, max_blocks - 1)
+        block = tl.load(tables_ptr + table_row + page, mask=key_ok, other=0).to(tl.int64)
+        offsets = block * stride_kb + (keys % BS).to(tl.int64) * stride_kt + group * stride_kh
+        mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
+        return k, v
 
     @triton.jit
     def _attend_block(q, k_ptr, v_ptr, tables_ptr, table_row, keys, allowed, group, max_blocks, stride_kb, stride_kt,
@@ -311,12 +328,8 @@ if triton is not None:
             key_ok = tl.max(allowed.to(tl.int32), 0) > 0
         else:
             key_ok = keys >= 0
-        page = tl.minimum(keys // BS, max_blocks - 1)
-        block = tl.load(tables_ptr + table_row + page, mask=key_ok, other=0).to(tl.int64)
-        offsets = block * stride_kb + (keys % BS).to(tl.int64) * stride_kt + group * stride_kh
-        mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
-        v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
+        k, v = _load_keys_values(k_ptr, v_ptr, tables_ptr, table_row, keys, key_ok, group, max_blocks, stride_kb,
+                                 stride_kt, stride_kh, d, d_ok, BS)
         if FP8:
             k, v = k.to(q.dtype), v.to(q.dtype)  # e4m3 -> q's compute type (float16, see _compute_q)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
@@ -346,12 +359,9 @@ if triton is not None:
             for part in tl.static_range(UNROLL):
                 keys = start + part * LANES + lanes
                 key_ok = (keys < hi) & (keys >= first_key)
-                page = tl.minimum(keys // BS, max_blocks - 1)
-                block = tl.load(tables_ptr + table_row + page, mask=key_ok, other=0).to(tl.int64)
-                offsets = block * stride_kb + (keys % BS).to(tl.int64) * stride_kt + group * stride_kh
-                mask = key_ok[:, None] & d_ok[None, :]
-                k = tl.load(k_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0).to(tl.float32)
-                v = tl.load(v_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0).to(acc.dtype)
+                k, v = _load_keys_values(k_ptr, v_ptr, tables_ptr, table_row, keys, key_ok, group, max_blocks,
+                                         stride_kb, stride_kt, stride_kh, d, d_ok, BS)
+                k, v = k.to(tl.float32), v.to(acc.dtype)
                 s = tl.where(key_ok, tl.sum(q[None, :] * k, 1) * qk_scale, float("-inf"))
                 m_new = tl.maximum(m, s)
                 alpha = tl.exp2(m - m_new)
@@ -400,12 +410,10 @@ if triton is not None:
             heads = group + lane
             q = tl.load(q_ptr + row.to(tl.int64) * stride_qt + group * stride_qh + d, mask=d_ok,
                         other=0.0).to(tl.float32)
-            qk_scale = scale
-            if FP8:
-                qk_scale = scale * tl.load(k_scale_ptr + group)
             m, total, acc = _attend_lanes(q, k_ptr, v_ptr, tables_ptr, table_row, lo, hi, first_key, group,
-                                          max_blocks, stride_kb, stride_kt, stride_kh, d, d_ok, qk_scale, BS, DP,
-                                          LANES, UNROLL, FP8 and q_ptr.dtype.element_ty != tl.float32)
+                                          max_blocks, stride_kb, stride_kt, stride_kh, d, d_ok,
+                                          _score_scale(scale, k_scale_ptr, group, FP8), BS, DP, LANES, UNROLL,
+                                          FP8 and q_ptr.dtype.element_ty != tl.float32)
         else:
             lane = tl.arange(0, QP)
             head_ok = lane < QPG
