@@ -154,8 +154,7 @@ def main() -> None:
         print(f"{name:18} {result['ms'] or float('nan'):9.3f} {result['ratio'] or float('nan'):7.3f}  "
               f"{result['equal_prefix']}", flush=True)
         summary = {"shape": TINY if args.tiny else LLAVA_13B, "size": size, "device": args.device,
-                   "dtype": args.dtype, "runs": {key: {k: v for k, v in value.items() if k != "tokens"}
-                                                 for key, value in runs.items()}}
+                   "dtype": args.dtype, "runs": runs}
         (out / "tp_bench.json").write_text(json.dumps(summary, indent=2))
 
 

@@ -31,6 +31,8 @@ EMBEDDING = "embedding.word_embeddings.weight"
 HEAD = "output_layer.weight"
 LOGGER = logging.getLogger(__name__)
 _ROW_PARALLEL_BIASES = ("self_attention.linear_proj.bias", "mlp.linear_fc2.bias")
+#: torch's one-shot all-reduce takes whole 4-byte words only; other sizes go through NCCL.
+_PEER_ALIGNMENT = 4
 
 
 def disable_multicast() -> None:
@@ -150,7 +152,8 @@ class PeerAllReduce:
         self._turn = 0
 
     def fits(self, tensor: Tensor) -> bool:
-        return tensor.dtype == self.dtype and tensor.numel() <= self.capacity and tensor.is_contiguous()
+        return (tensor.dtype == self.dtype and tensor.numel() <= self.capacity and tensor.is_contiguous()
+                and tensor.numel() * tensor.element_size() % _PEER_ALIGNMENT == 0)
 
     def __call__(self, partial: Tensor) -> Tensor:
         """The sum over the ranks of ``partial``, written into it."""
