@@ -35,6 +35,7 @@ from exporter.llm.tensor_parallel import (
 from exporter.runtime.tensor_parallel import join
 from query import NemoQueryMultimodal
 from support.decoders import make_tiny_gpt_weights
+from support.demo import DEMO_NEMO, load_demo_builder
 from support.media import random_image
 from support.ports import free_port
 from support.servers import poll_ready, stop_server
@@ -319,6 +320,27 @@ def test_two_gpus_as_one(checkpoints):
         finally:
             exporter.close()
     assert answers[2] == answers[1]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs (nvidia-h200-x2)")
+def test_two_gpus_demo_answers_as_one_in_bfloat16(tmp_path):
+    """The trained demo in bf16 (whose logits have margins that random weights lack): split over 2 GPUs, its
+    answers to 2 questions about 100 images equal those of one GPU."""
+    images = [image for image, _, _ in load_demo_builder().sample_examples(np.random.default_rng(20261129), 100)]
+    answers = {}
+    for size in (1, 2):
+        exporter = TensorRTMMExporter(tmp_path / f"demo-tp{size}", device="cuda")
+        exporter.export(DEMO_NEMO, model_type="neva", dtype="bfloat16", max_batch_size=8, max_input_len=512,
+                        max_output_len=8, max_multimodal_len=8 * 64, tensor_parallel_size=size)
+        try:
+            answers[size] = [answer[0] for question in ("What shape is this?", "What color is the shape?")
+                             for start in range(0, len(images), 8)
+                             for answer in exporter.forward([question] * 8, images[start:start + 8],
+                                                            max_output_len=4)]
+        finally:
+            exporter.close()
+    differing = [i for i, (a, b) in enumerate(zip(answers[1], answers[2])) if a != b]
+    assert not differing, f"{len(differing)} of {len(answers[1])} answers differ, first: {differing[:5]}"
 
 
 def _peer_rank(rank: int, port: int, out: Path) -> None:
