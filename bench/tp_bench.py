@@ -11,6 +11,8 @@ runs in this process on GPU 0; TP=N in N processes (rank r on GPU r, NCCL, small
 memory); ``--compare_nccl`` adds a TP=N run with every all-reduce through NCCL.
 
     python bench/tp_bench.py                     # 2 GPUs: prints the table, writes $OUT/tp_bench.json
+    python bench/tp_bench.py --compare_nccl --no_float32   # the bf16 runs only
+    python bench/tp_bench.py --dtype float32     # the float32 runs only, their tokens compared
     python bench/tp_bench.py --tiny              # a tiny float32 shape over 2 gloo processes: checks that it runs
 """
 
@@ -133,6 +135,8 @@ def main() -> None:
     parser.add_argument("--dtype", help="the timed runs' dtype; default: bfloat16 (float32 with --tiny)")
     parser.add_argument("--check_tokens", type=int, default=64, help="greedy tokens compared (also in float32)")
     parser.add_argument("--compare_nccl", action="store_true", help="also time TP=N with NCCL for every all-reduce")
+    parser.add_argument("--no_float32", action="store_true",
+                        help="skip the float32 token check (its two runs take most of a fresh machine's time)")
     parser.add_argument("--tiny", action="store_true", help="a tiny shape (checks that the script runs)")
     args = parser.parse_args()
     args.device = args.device or ("cpu" if args.tiny else "cuda")
@@ -142,7 +146,7 @@ def main() -> None:
     plan = [("TP=1", 1, args.dtype, True), (f"TP={size}", size, args.dtype, True)]
     plan += [(f"TP={size} NCCL only", size, args.dtype, False)] if args.compare_nccl else []
     plan += [("TP=1 float32", 1, "float32", True), (f"TP={size} float32", size, "float32", True)] \
-        if args.dtype != "float32" else []
+        if args.dtype != "float32" and not args.no_float32 else []
     print(f"{'':18} {'ms/step':>9} {'x TP=1':>7}  greedy tokens equal to TP=1's (same dtype) before the first "
           f"difference ({args.device}, batch 1, prompt {PROMPT}, timed in {args.dtype})", flush=True)
     runs: dict[str, dict] = {}
