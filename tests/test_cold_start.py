@@ -333,7 +333,8 @@ def test_every_autotuned_kernel_times_its_candidates_briefly():
     from exporter.llm import moe_triton  # noqa: F401 (importing registers its kernel)
     from exporter.llm.quant import kernels  # noqa: F401
 
-    assert {"gemv", "paged_decode", "paged_decode_fp8", "paged_decode_mha_fp8", "paged_chunk", "moe_grouped"} <= set(gemv.TUNED)
+    assert {"gemv", "paged_decode", "paged_decode_fp8", "paged_decode_mha_fp8", "paged_chunk",
+            "moe_grouped"} <= set(gemv.TUNED)
     for name, kernel in gemv.TUNED.items():
         if not name.startswith("quant"):
             assert kernel.do_bench is gemv.time_candidate, name

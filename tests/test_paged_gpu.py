@@ -13,6 +13,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -82,6 +85,21 @@ def test_kernels_in_bfloat16_match_the_reference(fp8, groups, per_group, dim):
         assert all(torch.equal(again, got) for again in runs[1:]) and not cache.counters.any()
 
 
+@contextlib.contextmanager
+def one_configuration_at_a_time(tuned) -> Iterator[Callable[[object], None]]:
+    """A function that restricts the autotuned kernel ``tuned`` to the configuration it is given (nothing timed);
+    the kernel's own configurations and choices come back on leaving."""
+    saved = tuned.configs, tuned.cache
+
+    def use(config) -> None:
+        tuned.configs, tuned.cache = [config], {}
+
+    try:
+        yield use
+    finally:
+        tuned.configs, tuned.cache = saved
+
+
 @torch.inference_mode()
 def test_every_float8_mha_decode_configuration_matches_the_reference():
     """Each decode configuration over float8 blocks for one query head a KV head (LLaVA's 32 heads of 128),
@@ -95,10 +113,9 @@ def test_every_float8_mha_decode_configuration_matches_the_reference():
     positions = torch.tensor([0, 33, 200, 613, 767], device="cuda")
     query = torch.randn(rows, heads, dim, device="cuda", generator=generator).bfloat16()
     tuned = paged_triton.decode_kernel(True, 1)
-    saved = tuned.configs, tuned.cache
-    try:
-        for config in saved[0]:
-            tuned.configs, tuned.cache = [config], {}
+    with one_configuration_at_a_time(tuned) as use:
+        for config in list(tuned.configs):
+            use(config)
             for splits in (1, 4):
                 batch = PagedBatch(cache, rows=rows, tables=tables, positions=positions, span=768, splits=splits)
                 expected = paged_attention._decode_reference(query.float(), k, v, batch, layer_scales, None)
@@ -106,8 +123,6 @@ def test_every_float8_mha_decode_configuration_matches_the_reference():
                                            cache.counters)
                 assert relative_error(got, expected) < 1e-2, f"{config}, {splits} splits"
                 assert not cache.counters.any()
-    finally:
-        tuned.configs, tuned.cache = saved
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -127,17 +142,13 @@ def test_every_chunk_configuration_matches_the_reference_over_a_long_prefix(fp8)
     query = torch.randn(count, heads, dim, device="cuda", generator=generator).bfloat16()
     chunk = Chunk(tables, None, None, tiles, ((0, count, start),))
     expected = paged_attention._chunk_reference(query.float(), k, v, chunk, layer_scales, None)
-    tuned = paged_triton._chunk_tuned
-    saved = tuned.configs, tuned.cache
-    try:
+    with one_configuration_at_a_time(paged_triton._chunk_tuned) as use:
         for config in paged_triton._CHUNK_CONFIGS:
-            tuned.configs, tuned.cache = [config], {}
+            use(config)
             for splits in (1, 2, 4):
                 got = paged_triton.chunk(query, k, v, tables, tiles, layer_scales, None, splits, cache.counters)
                 assert relative_error(got, expected) < 1e-2, f"{config}, {splits} splits"
                 assert not cache.counters.any()
-    finally:
-        tuned.configs, tuned.cache = saved
 
 
 @torch.inference_mode()
