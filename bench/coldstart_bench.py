@@ -19,6 +19,7 @@ measured before this work (issue 20) and writes `$OUT/coldstart_bench.json`.
     python bench/coldstart_bench.py --mid --no-serve       # CPU: 1.5 GB of LLM weights, export and load only
     python bench/coldstart_bench.py --late_reads           # the restart also lists what it read after the stream
     python bench/coldstart_bench.py --no_export_kernel_warmup  # the export leaves the kernel warm-up to a start
+    python bench/coldstart_bench.py --compare_checkout ../main  # also a restart by another checkout's server (A/B)
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ WORDS = {"full": 32000, "mid": 32000, "tiny": 300}
 LIMITS = {"max_batch_size": 8, "max_input_len": 2048, "max_output_len": 256}
 # the starts measured, in order, and their READY targets: after the export; with no kernel cache; again
 STARTS = {"first_start": "<= 20", "first_start_no_kernel_cache": "<= 20", "restart": "<= 10"}
+COMPARED = "restart_compared_checkout"  # --compare_checkout: the restart by another checkout's server
 TINY_LIMITS = {"max_batch_size": 2, "max_input_len": 256, "max_output_len": 16}
 PHASE_LINE = re.compile(r"phase (.+?): ([0-9.]+) s(?: \((.*)\))?$")
 COMPILE_CACHE_VARIABLES = ("TRITON_CACHE_DIR",)
@@ -173,20 +175,20 @@ def run_child(args: list[str], log: Path) -> dict:
 # --- serving ---------------------------------------------------------------------------------------------------------
 
 def serve_and_query(engine: Path, device: str, limits: dict, log: Path, image_size: int, new_tokens: int,
-                    steady_requests: int, late_reads: Path | None = None) -> dict:
-    """Start deploy_triton.py on `engine`, time it to READY, then the first and the steady requests; with
-    `late_reads`, through bench/late_reads.py, its report written there and added."""
+                    steady_requests: int, late_reads: Path | None = None, checkout: Path = REPO) -> dict:
+    """Start deploy_triton.py of `checkout` (this one by default) on `engine`, time it to READY, then the first and
+    the steady requests; with `late_reads`, through bench/late_reads.py, its report written there and added."""
     from pytriton.client import ModelClient
 
     from deploy.startup import free_port
 
     ports = [free_port() for _ in range(3)]
-    script = [str(REPO / "scripts/deploy_triton.py")] if late_reads is None else [
+    script = [str(checkout / "scripts/deploy_triton.py")] if late_reads is None else [
         str(REPO / "bench/late_reads.py"), "--out", str(late_reads), "--"]
     command = [sys.executable, *script, "-tmn", MODEL, "-tmr", str(engine),
                "-tha", "127.0.0.1", "-trp", str(ports[0]), "--grpc_port", str(ports[1]),
                "--metrics_port", str(ports[2]), "-mbs", str(limits["max_batch_size"]), "--device", device]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout), os.environ.get("PYTHONPATH")]))}
     for variable in COMPILE_CACHE_VARIABLES:  # compiled kernels come from the engine's .cache/ or nowhere
         env.pop(variable, None)
     with log.open("w") as out:
@@ -350,6 +352,12 @@ def run(args: argparse.Namespace) -> dict:
                 result[start] = serve_and_query(engine, device, limits, out / f"coldstart_{start}.log", image,
                                                 tokens, steady, traced)
                 print(f"{start}: READY in {result[start]['ready_s']:.1f} s", flush=True)
+            if args.compare_checkout:  # the same restart by another checkout's server, right after this one's
+                drop_caches([engine])
+                result[COMPARED] = {"checkout": str(args.compare_checkout), **serve_and_query(
+                    engine, device, limits, out / f"coldstart_{COMPARED}.log", image, tokens, steady,
+                    checkout=Path(args.compare_checkout).resolve())}
+                print(f"{COMPARED}: READY in {result[COMPARED]['ready_s']:.1f} s", flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -373,7 +381,7 @@ def report(result: dict) -> str:
     row("LLM weights to device, old way s", result.get("load_old_s"))
     row("LLM weights to device, new way s", result.get("load_new_s"))
     row("LLM weights to device, new way GB/s", result.get("load_new_GBps"))
-    for start, target in STARTS.items():
+    for start, target in (*STARTS.items(), (COMPARED, STARTS["restart"])):
         measured = result.get(start)
         if measured:
             first = start.startswith("first_start")  # issue 20's first start had no kernel cache
@@ -396,7 +404,7 @@ def report(result: dict) -> str:
                     for kind, total in late["late_files_by_kind"].items()) or "nothing")
                     + f"; {len(late['late_modules'])} modules imported")
     for title, phases in (("export phases", result.get("export_phases")),
-                          *((f"{s.replace('_', ' ')} phases", result[s]["phases"]) for s in STARTS
+                          *((f"{s.replace('_', ' ')} phases", result[s]["phases"]) for s in (*STARTS, COMPARED)
                             if result.get(s))):
         lines.append(title + ":")
         lines.extend(f"    {name:40} {value}" for name, value in (phases or {}).items())
@@ -418,6 +426,9 @@ def main() -> None:
                              "LLM weights' stream began ($OUT/coldstart_restart_late_reads.json)")
     parser.add_argument("--no_export_kernel_warmup", action="store_true",
                         help="export without the kernel warm-up (warm_kernels=False): the first start runs it")
+    parser.add_argument("--compare_checkout", default=None,
+                        help="after the restart, restart the same engine with the server of this other checkout "
+                        "(a git worktree of another commit, say), for an A/B in one run")
     parser.add_argument("--cache_drop", choices=("auto", "files"), default="auto",
                         help="auto: the whole page cache where allowed, else the model's files; files: only those "
                         "(on a machine shared with others)")

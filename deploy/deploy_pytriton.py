@@ -9,9 +9,11 @@ streams, HTTP `generate_stream`), `max_batch_size` instances each streaming one 
 
 Around Triton:
 
-- Ready means a request succeeds: the warm-up request runs before anything is bound, and the models are written
-  into Triton's repository before Triton starts, so Triton opens its ports (and `/v2/health/ready` answers 200)
-  only once every model is loaded.
+- Triton starts beside the model's load: `deploy` writes the models into Triton's repository and starts Triton,
+  then loads the model (`deploy(load=...)`) and runs the warm-up request, while Triton's processes start. Its
+  model instances wait at a gate (`deploy.triton_gate`) meanwhile, so Triton's ports stay closed.
+- Ready means a request succeeds: `run` opens the gate only once the model has answered the warm-up request, and
+  Triton opens its ports (and `/v2/health/ready` answers 200) only once every model is loaded.
 - Ready means the first request is not slow either: once Triton is up, `run` sends the warm-up request through
   Triton itself over loopback (one per instance, and one through the streaming model), so that Triton's and
   PyTriton's path to the model is warm before `run` returns and the server says READY (the OpenAI front's
@@ -67,6 +69,7 @@ from deploy.triton_errors import (
     RequestFailed,
     client_failure,
 )
+from deploy.triton_gate import SERVE, STOP, decide, decided, held
 from wire import InferRequest, default_warmup_request, stream_model_name
 
 LOGGER = logging.getLogger(__name__)
@@ -74,7 +77,8 @@ LOGGER = logging.getLogger(__name__)
 # Models are written into Triton's repository and loaded when Triton starts, before its ports open.
 _LOCAL_MODELS = TritonLifecyclePolicy(launch_triton_on_startup=False, local_model_store=True)
 _MONITOR_INTERVAL_S = 0.5
-_BACKEND_FILES = {"model.py": "triton_stub_model.py", "triton_errors.py": "triton_errors.py"}
+_BACKEND_FILES = {"model.py": "triton_stub_model.py", "triton_errors.py": "triton_errors.py",
+                  "triton_gate.py": "triton_gate.py"}
 _WARM_UP_TIMEOUT_S = 120.0  # for each warm-up request through Triton, its client's set-up included
 _LOOPBACK = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}  # where this process reaches its own Triton
 _WARM_UP_PARAMETER = "nemo_mm_warm_up"  # a request parameter: this process's token on its own warm-up requests
@@ -103,7 +107,10 @@ def wait_until_ready(host: str, port: int, alive: Callable[[], bool], limit_s: f
 
 
 class _PromptTriton(Triton):
-    """PyTriton's `Triton`, started sooner (PyTriton 0.7.0 has no option for either, so both go around it):
+    """PyTriton's `Triton`, started sooner (PyTriton 0.7.0 has no option for any of these, so they go around it):
+
+    - `launch` starts the `tritonserver` process alone; `run` then waits for it and connects PyTriton's proxies
+      (PyTriton's `run` does both).
 
     - Triton loads each model's config as PyTriton wrote it, which is complete (`--strict-model-config true`).
       Otherwise its Python backend starts one more backend process per model before the instances, only to ask
@@ -115,6 +122,10 @@ class _PromptTriton(Triton):
         super().__init__(**kwargs)
         self._ready_at = ready_at
         self._triton_server_config["strict-model-config"] = "true"
+
+    def launch(self) -> None:
+        """Start `tritonserver` (its model instances wait at the gate), without waiting for it."""
+        self._run_server()
 
     def _wait_for_server(self) -> None:
         if self._ready_at is not None:
@@ -131,11 +142,11 @@ class DeployPyTriton:
 
     Example:
         nm = DeployPyTriton(model=exporter, triton_model_name="neva", http_port=8000)
-        nm.deploy()   # port checks, warm-up request, binding
+        nm.deploy()   # port checks, binding, Triton started (its ports still closed), warm-up request
         nm.serve()    # blocks; or nm.run() ... nm.stop(); run() warms Triton's path up before it returns
 
-    `run` must be called from a thread that lives as long as the server (the main thread, as a rule): the kernel
-    stops Triton when the thread that started it ends.
+    `deploy` and `run` must be called from a thread that lives as long as the server (the main thread, as a rule):
+    the kernel stops Triton when the thread that started it ends.
     """
 
     def __init__(
@@ -175,32 +186,38 @@ class DeployPyTriton:
         self.allow_grpc = allow_grpc
         self.streaming = streaming
         self.metrics: ServerMetrics | None = None
-        self.triton: Triton | None = None
+        self.triton: _PromptTriton | None = None
         self._workspace: Workspace | None = None
         self._guard: ProcessGuard | None = None
         self._metrics_server: MetricsServer | None = None
         self._triton_metrics_port: int | None = None
         self._running = False
         self._stopping = False
+        self._launched_at = 0.0
         self._warm_up_mark = {_WARM_UP_PARAMETER: secrets.token_hex(16)}
 
-    def deploy(self) -> None:
-        """Check ports, run the warm-up request, hold the metrics port, and bind the model to a (not yet started)
-        Triton server."""
+    def deploy(self, load: Callable[[], object] | None = None) -> None:
+        """Check ports, bind the model to Triton and start Triton, its models held at the gate; then `load()`, if
+        given, while Triton starts (the model's own load: its Triton inputs, outputs, byte caps and parameters
+        must be known before it), run the warm-up request and hold the metrics port. Triton's ports open in
+        `run`. A failure stops Triton again."""
         if self.triton is not None:
             raise DeployError("deploy() was already called")
         self._check_ports()
         ensure_libpython_on_library_path()
         for path in clean_stale_files(PYTRITON_HOME):
             LOGGER.info("removed %s, left behind by a serving process that is gone", path)
-        self._warm_up()
-        self.metrics = ServerMetrics(getattr(self.model, "pipeline", None))
         try:
-            # bound now, served from run(): no other socket (Triton's, a warm-up client's) can take the port between
             self._triton_metrics_port = free_port("127.0.0.1")
+            self.triton = self._bound_triton()
+            self._launch()
+            if load is not None:
+                load()
+            self._warm_up()
+            self.metrics = ServerMetrics(getattr(self.model, "pipeline", None))
+            # bound now, served from run(): no other socket (a warm-up client's) can take the port between
             self._metrics_server = MetricsServer(self.metrics, self.address, self.metrics_port,
                                                  f"http://127.0.0.1:{self._triton_metrics_port}/metrics")
-            self.triton = self._bound_triton()
         except BaseException:
             self.stop()
             raise
@@ -226,15 +243,14 @@ class DeployPyTriton:
             self.stop()
 
     def run(self) -> None:
-        """Start Triton in the background; returns once every model is loaded, its ports are open and a warm-up
-        request has gone through Triton to each instance."""
+        """Let Triton's models go (Triton started in `deploy`); returns once every model is loaded, its ports are
+        open and a warm-up request has gone through Triton to each instance."""
         if self.triton is None:
             raise DeployError("deploy() must be called first")
         if self._running:
             return
-        self._guard = ProcessGuard(self._workspace.path)
-        raise_stack_limit_for_triton()
         try:
+            self._let_models_go()
             try:
                 self.triton.run()
             except Exception as error:
@@ -254,8 +270,11 @@ class DeployPyTriton:
         """Refuse new requests (503), stop Triton and the metrics endpoint, end the guard; safe to call twice."""
         self._stopping = True
         if self.triton is not None:
+            workspace = self._workspace.path
+            if workspace.is_dir() and not decided(workspace):  # a Triton still starting: its instances fail their load
+                decide(workspace, STOP)
             self.triton.stop()
-            shutil.rmtree(self._workspace.path, ignore_errors=True)  # Triton leaves it when it never ran
+            shutil.rmtree(workspace, ignore_errors=True)  # Triton leaves it when it never ran
         if self._metrics_server is not None:
             self._metrics_server.stop()
             self._metrics_server = None
@@ -266,7 +285,24 @@ class DeployPyTriton:
             self.metrics.close()
         self._running = False
 
-    def _bound_triton(self) -> Triton:
+    def _launch(self) -> None:
+        """Start Triton's process (its models held at the gate), guarded to die with this process."""
+        self._guard = ProcessGuard(self._workspace.path)
+        raise_stack_limit_for_triton()
+        self._launched_at = time.monotonic()
+        try:
+            self.triton.launch()
+        except Exception as error:
+            raise DeployError(f"Triton did not start ({type(error).__name__}: {error}); see its log above") from error
+
+    def _let_models_go(self) -> None:
+        """Open the gate: Triton loads its models and opens its ports."""
+        waiting = held(self._workspace.path)
+        decide(self._workspace.path, SERVE)
+        LOGGER.info("Triton started %.2f s before its models were let go; %d of its %d model instances were waiting",
+                    time.monotonic() - self._launched_at, waiting, self.max_batch_size * (1 + self.streaming))
+
+    def _bound_triton(self) -> _PromptTriton:
         config = TritonConfig(
             allow_http=self.allow_http,
             allow_grpc=self.allow_grpc,
@@ -342,7 +378,7 @@ class DeployPyTriton:
             raise DeployError(
                 f"the warm-up request failed, so the model is not served: {type(error).__name__}: {error}"
             ) from error
-        LOGGER.info("warm-up request answered in %.2f s", time.monotonic() - started)
+        LOGGER.info("phase warm-up request: %.2f s", time.monotonic() - started)
 
     def _loopback_host(self) -> str:
         """Where this process reaches its own Triton."""

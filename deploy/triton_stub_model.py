@@ -10,7 +10,9 @@ Triton's model repository as `model.py`, next to PyTriton's own proxy model (ren
   `DeployPyTriton` from the model's `triton_input_byte_caps`), is refused naming the input, before PyTriton
   hands the tensors to the serving process (PyTriton's transfer cannot carry an empty one);
 - the instances other than the first wait for the first one's handshake socket, so a slow start on a busy machine
-  does not fail the load.
+  does not fail the load;
+- each instance, once set up, waits at the gate (`triton_gate`) until the serving process lets it go: Triton starts
+  beside the model's load and opens its ports after it.
 """
 
 import json
@@ -21,6 +23,7 @@ import triton_python_backend_utils as pb_utils
 
 from . import pytriton_model as _pytriton
 from .triton_errors import BAD_REQUEST, INPUT_CAPS_FILE, INTERNAL, TRITON_CODES, UNKNOWN_FAILURE, parse_failure
+from .triton_gate import wait_at_gate
 
 HANDSHAKE_WAIT_S = 300.0
 
@@ -73,14 +76,16 @@ class TritonPythonModel(_pytriton.TritonPythonModel):
     def initialize(self, args):
         self._caps = json.loads(pathlib.Path(__file__).with_name(INPUT_CAPS_FILE).read_text())
         name = args["model_instance_name"]
+        config = json.loads(args["model_config"])
+        workspace = pathlib.Path(config["parameters"]["workspace-path"]["string_value"])
         if name != "_".join(name.split("_")[:-1] + ["0"]):  # PyTriton's test for the first instance
-            config = json.loads(args["model_config"])
-            workspace = pathlib.Path(config["parameters"]["workspace-path"]["string_value"])
             handshake = workspace / f"{args['model_name']}-config.sock"
             deadline = time.monotonic() + HANDSHAKE_WAIT_S
             while not handshake.exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
         super().initialize(args)
+        if not wait_at_gate(workspace, name):
+            raise pb_utils.TritonModelException("the serving process stopped before its model was served")
 
     def execute(self, requests):
         refused = [_refusal(request, self._caps) for request in requests]

@@ -94,12 +94,19 @@ class TensorRTMMExporter(ITritonDeployable):
         self.engine: Engine | None = None
         self.pipeline: Pipeline | None = None
         self.ranks: Ranks | None = None
+        self._wrote_engine = False
         if load_model and (self.model_dir / "manifest.json").is_file():
+            self.load()
+
+    def load(self) -> None:
+        """Load the engine exported in ``model_dir`` (what ``load_model=True`` does at construction); an
+        EngineError names what is missing or bad."""
+        if not self._wrote_engine:
             # a start from a cold disk: its other reads before the weights' stream, which they would wait behind,
-            # then what they left (the LLM weights) read in the background while the load goes on (not after an
-            # export: the files it wrote are in the page cache)
+            # then what they left (the LLM weights) read in the background while the load goes on (not after this
+            # exporter's export: the files it wrote are in the page cache)
             prefetch_engine(read_ahead(self.model_dir, self.device).stream)
-            self._load()
+        self._load()
 
     def export(
         self,
@@ -195,6 +202,7 @@ class TensorRTMMExporter(ITritonDeployable):
                       merged_lora=merged, tensor_parallel_size=tensor_parallel_size,
                       beside=_export_warm_up(self.model_dir, self.device, dtype, limits, warm_kernels=warm_kernels,
                                              tensor_parallel_size=tensor_parallel_size, lora=lora is not None))
+        self._wrote_engine = True
         if load_model:
             self._load()
 
@@ -413,17 +421,24 @@ class TensorRTMMExporter(ITritonDeployable):
             pieces.close()
 
     def triton_model_parameters(self) -> dict[str, str]:
-        """The model type and the media kinds it takes, for clients to read from the Triton config."""
-        engine = self._require_pipeline().engine
-        return served_parameters(engine.model_type, engine.perception.media)
+        """The model type and the media kinds it takes, for clients to read from the Triton config (known from
+        ``model_dir``'s manifest before the engine is loaded)."""
+        model_type = self._served_manifest()["model_type"]
+        return served_parameters(model_type, get_model_type(model_type).perception.media)
 
     def triton_input_byte_caps(self) -> dict[str, int]:
-        """Per-request byte caps of the inputs, from the engine's limits and the media policy."""
-        return self._wire_limits().input_byte_caps()
+        """Per-request byte caps of the inputs, from the engine's limits and the media policy (known from
+        ``model_dir``'s manifest before the engine is loaded)."""
+        return self._wire_limits(EngineLimits(**self._served_manifest()["limits"])).input_byte_caps()
 
-    def _wire_limits(self) -> WireLimits:
-        """The caps a Triton request is checked against before anything in it is decoded."""
-        limits = self._require_pipeline().engine.limits
+    def _served_manifest(self) -> dict[str, Any]:
+        """The loaded engine's manifest, else the one in ``model_dir`` (an EngineError if there is none)."""
+        return self.pipeline.engine.manifest if self.pipeline is not None else read_manifest(self.model_dir)
+
+    def _wire_limits(self, limits: EngineLimits | None = None) -> WireLimits:
+        """The caps a Triton request is checked against before anything in it is decoded (``limits``: the loaded
+        engine's by default)."""
+        limits = limits or self._require_pipeline().engine.limits
         policy = self.media_policy or MediaPolicy()
         return WireLimits.for_engine(
             max_input_len=limits.max_input_len, max_batch_size=limits.max_batch_size,

@@ -13,11 +13,12 @@ import time
 STARTED = time.perf_counter()  # READY is logged as the time since here, imports included
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from omegaconf import OmegaConf  # noqa: E402
@@ -301,7 +302,7 @@ def _modality_of(settings: dict) -> str:
 
 def build_deployable(settings: argparse.Namespace, load: bool = True):
     """The exporter loaded from the repository, or after exporting the checkpoint into it (`load=False`: nothing
-    is loaded, the checkpoint is only exported)."""
+    is loaded, the checkpoint is only exported; `load_deployable` loads it later)."""
     exporting = settings.visual_checkpoint is not None
     repository = Path(settings.triton_model_repository)
     if not exporting:
@@ -310,17 +311,28 @@ def build_deployable(settings: argparse.Namespace, load: bool = True):
         from exporter import TensorRTMMExporter
     except ImportError as error:
         raise DeployError(f"the exporter cannot be imported ({error}); check the installation") from error
-    step = "loading the model repository"
-    try:
+    with _failing_as_deploy_error("the export" if exporting else "loading the model repository"):
         exporter = TensorRTMMExporter(model_dir=str(repository), load_model=load and not exporting,
                                       **exporter_options(settings))
         if exporting:
-            step = "the export"
             LOGGER.info("exporting %s into %s", settings.visual_checkpoint, repository)
             exporter.export(**_export_arguments(settings), load_model=load)
+    return exporter
+
+
+def load_deployable(exporter) -> None:
+    """Load the engine of an exporter made by `build_deployable(load=False)`."""
+    with _failing_as_deploy_error("loading the model repository"):
+        exporter.load()
+
+
+@contextlib.contextmanager
+def _failing_as_deploy_error(step: str) -> Iterator[None]:
+    """A bad checkpoint, engine or setting raised inside the block as a DeployError naming `step`."""
+    try:
+        yield
     except (OSError, ValueError, RuntimeError, _checkpoint_error()) as error:
         raise DeployError(f"{step} failed: {type(error).__name__}: {error}") from error
-    return exporter
 
 
 def exporter_options(settings: argparse.Namespace) -> dict:
@@ -432,8 +444,9 @@ def main(argv: list[str] | None = None) -> int:
         check_port_free(address, settings.grpc_port, "gRPC", "--grpc_port")
         if settings.openai_port is not None:
             check_port_free(settings.openai_address or address, settings.openai_port, "OpenAI API", "--openai_port")
+        exporter = build_deployable(settings, load=False)
         deployer = DeployPyTriton(
-            model=build_deployable(settings),
+            model=exporter,
             triton_model_name=settings.triton_model_name,
             triton_model_version=settings.triton_model_version,
             max_batch_size=settings.max_batch_size,
@@ -443,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             streaming=settings.streaming,
             metrics_port=settings.metrics_port,
         )
-        timed("warm-up request", deployer.deploy)
+        deployer.deploy(load=lambda: load_deployable(exporter))  # Triton starts beside the load
         try:
             timed("Triton start", deployer.run)  # Triton is up: the OpenAI front says ready only now
             openai_server = start_openai_server(settings, deployer)

@@ -54,6 +54,9 @@ class StubMultimodalModel(ITritonDeployable):
         self._running = 0
         self._lock = threading.Lock()
 
+    def load(self) -> None:
+        """Nothing to load (`TensorRTMMExporter.load`'s place: the scripts load the exporter they made unloaded)."""
+
     @property
     def get_triton_input(self):
         return multimodal_triton_inputs(self.modality)
