@@ -127,9 +127,20 @@ class _PromptTriton(Triton):
         """Start `tritonserver` (its model instances wait at the gate), without waiting for it."""
         self._run_server()
 
+    def server_alive(self) -> bool:
+        """Whether the launched `tritonserver` process still runs."""
+        return self._is_alive_impl()
+
+    def run(self) -> None:
+        """Wait for the launched Triton and connect PyTriton's proxies to it (PyTriton's `run` would start a
+        Triton that exited again)."""
+        self.connect()
+
     def _wait_for_server(self) -> None:
         if self._ready_at is not None:
             wait_until_ready(*self._ready_at, alive=self._is_alive_impl)
+        if not self._is_alive_impl():
+            raise RuntimeError("tritonserver exited")
         super()._wait_for_server()  # PyTriton's own wait: its first check finds Triton ready
 
 
@@ -296,9 +307,15 @@ class DeployPyTriton:
             raise DeployError(f"Triton did not start ({type(error).__name__}: {error}); see its log above") from error
 
     def _let_models_go(self) -> None:
-        """Open the gate: Triton loads its models and opens its ports."""
+        """Open the gate: Triton loads its models and opens its ports (a DeployError if Triton exited meanwhile)."""
         waiting = held(self._workspace.path)
-        decide(self._workspace.path, SERVE)
+        exited = DeployError("Triton exited while the model was loading; see its log above")
+        if not self.triton.server_alive():
+            raise exited
+        try:
+            decide(self._workspace.path, SERVE)
+        except FileNotFoundError:  # it exited just now: PyTriton removed its workspace
+            raise exited from None
         LOGGER.info("Triton started %.2f s before its models were let go; %d of its %d model instances were waiting",
                     time.monotonic() - self._launched_at, waiting, self.max_batch_size * (1 + self.streaming))
 

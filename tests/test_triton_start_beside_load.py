@@ -86,6 +86,23 @@ def test_a_failing_load_stops_triton_and_is_raised():
     assert not port_in_use("127.0.0.1", deployer.http_port)
 
 
+def test_triton_exiting_during_the_load_is_a_deploy_error():
+    deployer = _deployer(StubMultimodalModel())
+
+    def load() -> None:  # Triton dies while the model loads
+        _wait_held(deployer)
+        (server,) = _tritonservers(deployer)
+        server.kill()
+        server.wait(30)
+        deadline = time.monotonic() + 30
+        while deployer._workspace.path.exists() and time.monotonic() < deadline:  # PyTriton sees it exit
+            time.sleep(0.05)
+
+    deployer.deploy(load=load)
+    with pytest.raises(DeployError, match="Triton exited while the model was loading"):
+        deployer.run()
+
+
 def _wait_held(deployer: DeployPyTriton) -> None:
     deadline = time.monotonic() + HELD_WAIT_S
     while held(deployer._workspace.path) < INSTANCES:
