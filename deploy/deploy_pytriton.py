@@ -111,7 +111,6 @@ class _PromptTriton(Triton):
 
     - `launch` starts the `tritonserver` process alone; `run` then waits for it and connects PyTriton's proxies
       (PyTriton's `run` does both).
-
     - Triton loads each model's config as PyTriton wrote it, which is complete (`--strict-model-config true`).
       Otherwise its Python backend starts one more backend process per model before the instances, only to ask
       `model.py` to complete the config: 1.3-1.6 s of every start on a 2-core machine.
@@ -219,9 +218,12 @@ class DeployPyTriton:
         for path in clean_stale_files(PYTRITON_HOME):
             LOGGER.info("removed %s, left behind by a serving process that is gone", path)
         try:
+            started = time.monotonic()
             self._triton_metrics_port = free_port("127.0.0.1")
             self.triton = self._bound_triton()
             self._launch()
+            LOGGER.info("phase Triton launch: %.2f s (its models written, its process started)",
+                        time.monotonic() - started)
             if load is not None:
                 load()
             self._warm_up()

@@ -307,10 +307,12 @@ def build_deployable(settings: argparse.Namespace, load: bool = True):
     repository = Path(settings.triton_model_repository)
     if not exporting:
         check_model_repository(repository)
+    started = time.perf_counter()
     try:
         from exporter import TensorRTMMExporter
     except ImportError as error:
         raise DeployError(f"the exporter cannot be imported ({error}); check the installation") from error
+    LOGGER.info("phase exporter import: %.2f s", time.perf_counter() - started)
     with _failing_as_deploy_error("the export" if exporting else "loading the model repository"):
         exporter = TensorRTMMExporter(model_dir=str(repository), load_model=load and not exporting,
                                       **exporter_options(settings))

@@ -118,6 +118,9 @@ def test_deploy_script_exports_serves_and_query_script_answers(tmp_path):
         stop_server(server, 120)
     assert server.returncode == 0
     log = server.stderr.read()
-    for phase in ("imports", "write the LLM weights", "LLM weights: read + transfer", "warm-up request", "Triton start"):
+    for phase in ("imports", "exporter import", "write the LLM weights", "Triton launch", "LLM weights: read + transfer",
+                  "warm-up request", "Triton start"):
         assert f"phase {phase}: " in log, phase  # each start-up phase with its time
+    # Triton started before the export's engine was loaded: the load's phases come after its launch
+    assert log.index("phase Triton launch: ") < log.index("phase LLM weights: read + transfer: ")
     assert " s after the process started" in log
