@@ -284,8 +284,10 @@ class DeployPyTriton:
         self._stopping = True
         if self.triton is not None:
             workspace = self._workspace.path
-            if workspace.is_dir() and not decided(workspace):  # a Triton still starting: its instances fail their load
-                decide(workspace, STOP)
+            # a Triton still starting: its instances fail their load (one that exited has no workspace left)
+            with contextlib.suppress(FileNotFoundError):
+                if not decided(workspace):
+                    decide(workspace, STOP)
             self.triton.stop()
             shutil.rmtree(workspace, ignore_errors=True)  # Triton leaves it when it never ran
         if self._metrics_server is not None:

@@ -5,6 +5,7 @@ its model instances reach the gate while the load runs, its ports stay closed un
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import psutil
@@ -42,11 +43,11 @@ def test_instances_start_beside_the_load_and_ports_open_only_in_run():
     seen = {}
 
     def load() -> None:  # returns once every instance waits at the gate: Triton started before the load ended
-        deadline = time.monotonic() + HELD_WAIT_S
-        while held(deployer._workspace.path) < INSTANCES and time.monotonic() < deadline:
+        def look() -> None:
             seen["port open while held"] = seen.get("port open while held") or port_in_use("127.0.0.1",
                                                                                           deployer.http_port)
-            time.sleep(0.05)
+
+        _wait_held(deployer, look)
         seen["held"] = held(deployer._workspace.path)
 
     deployer.deploy(load=load)
@@ -103,8 +104,10 @@ def test_triton_exiting_during_the_load_is_a_deploy_error():
         deployer.run()
 
 
-def _wait_held(deployer: DeployPyTriton) -> None:
+def _wait_held(deployer: DeployPyTriton, each: Callable[[], None] = lambda: None) -> None:
+    """Wait until every model instance of `deployer`'s Triton waits at the gate, calling `each` while it waits."""
     deadline = time.monotonic() + HELD_WAIT_S
     while held(deployer._workspace.path) < INSTANCES:
         assert time.monotonic() < deadline, "Triton's instances never reached the gate"
+        each()
         time.sleep(0.05)
