@@ -21,6 +21,7 @@ measured before this work (issue 20) and writes `$OUT/coldstart_bench.json`.
     python bench/coldstart_bench.py --late_reads           # the restart also lists what it read after the stream
     python bench/coldstart_bench.py --no_export_kernel_warmup  # the export leaves the kernel warm-up to a start
     python bench/coldstart_bench.py --compare_checkout ../main  # also a restart by another checkout's server (A/B)
+    python bench/coldstart_bench.py --disk_only            # the disk alone: write, cold reads by thread count
 """
 
 from __future__ import annotations
@@ -120,9 +121,44 @@ def disk_speed(folder: Path, nbytes: int) -> dict:
             while stream.read(64 << 20):
                 pass
         reads.append(nbytes / (time.perf_counter() - started) / 1e9)
+    by_threads = parallel_reads(path, nbytes)
     path.unlink()
     return {"disk_write_GBps": write, "disk_read_cold_GBps": reads[0], "disk_read_cached_GBps": reads[1],
-            "cache_drop": how}
+            "cache_drop": how, "disk_read_cold_GBps_by_threads": by_threads}
+
+
+def parallel_reads(path: Path, nbytes: int, block: int = 16 << 20) -> dict[str, float | str]:
+    """Cold reads of `path` in GB/s by reader threads, each reading every `threads`-th block into a buffer of its
+    own, through the page cache ("buffered", as the prefetch reads) or around it ("direct": O_DIRECT), the cache
+    dropped before each: whether a deeper queue gets more from the disk."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read_all(threads: int, flags: int) -> None:
+        buffers = [mmap.mmap(-1, block) for _ in range(threads)]  # page-aligned, as O_DIRECT needs
+        descriptor = os.open(path, os.O_RDONLY | flags)
+
+        def read(index: int) -> None:
+            for offset in range(index * block, nbytes, threads * block):
+                os.preadv(descriptor, [buffers[index]], offset)
+        try:
+            with ThreadPoolExecutor(threads) as pool:
+                list(pool.map(read, range(threads)))
+        finally:
+            os.close(descriptor)
+
+    speeds: dict[str, float | str] = {}
+    for kind, flags in (("buffered", 0), ("direct", getattr(os, "O_DIRECT", 0))):
+        for threads in (1, 4, 8, 16, 32):
+            drop_caches([path])
+            started = time.perf_counter()
+            try:
+                read_all(threads, flags)
+            except OSError as error:  # O_DIRECT refused by this file system
+                speeds[f"{kind} {threads}"] = f"{type(error).__name__}: {error}"
+                continue
+            speeds[f"{kind} {threads}"] = round(nbytes / (time.perf_counter() - started) / 1e9, 3)
+    return speeds
 
 
 # --- children: each measurement in a fresh process -------------------------------------------------------------------
@@ -321,6 +357,9 @@ def run(args: argparse.Namespace) -> dict:
         print(f"disk: {result['disk_write_GBps']:.2f} GB/s write, {result['disk_read_cold_GBps']:.2f} GB/s read "
               f"(cache dropped by {result['cache_drop']}), {result['disk_read_cached_GBps']:.2f} GB/s cached",
               flush=True)
+        print(f"disk: cold reads by threads, GB/s: {result['disk_read_cold_GBps_by_threads']}", flush=True)
+        if args.disk_only:
+            return result
         nemo, engine = work / "llava_shape.nemo", work / "engine"
         tempfile.tempdir = str(work)  # write_nemo's staging folder: on the work disk, not on a small /tmp
         started = time.perf_counter()
@@ -425,6 +464,7 @@ def main() -> None:
     parser.add_argument("--no-serve", action="store_true", help="export and weight loading only (no server)")
     parser.add_argument("--workdir", default=None, help="where the .nemo and the engine are written (default: $TMPDIR)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
+    parser.add_argument("--disk_only", action="store_true", help="measure the disk only (reads by thread count too)")
     parser.add_argument("--late_reads", action="store_true",
                         help="start the restart through bench/late_reads.py: what it read and imported after the "
                              "LLM weights' stream began ($OUT/coldstart_restart_late_reads.json)")

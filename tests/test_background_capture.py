@@ -311,7 +311,7 @@ def test_a_step_whose_graph_is_not_captured_yet_runs_a_bigger_captured_bucket(mo
 
 
 def test_capture_stops_between_its_slices_when_told(monkeypatch):
-    """`capture`'s slices (two warm-up runs on a side stream, then the capture): ``proceed`` is asked before each,
+    """`capture`'s slices (`WARM_UP_RUNS` runs on a side stream, then the capture): ``proceed`` is asked before each,
     and a stop leaves the device's streams joined and nothing captured. CUDA stand-ins record the calls."""
     calls = []
 
@@ -332,13 +332,13 @@ def test_capture_stops_between_its_slices_when_told(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", on)
-    for allowed in range(4):
+    for allowed in range(cuda_graphs.WARM_UP_RUNS + 2):
         calls.clear()
         answers = iter([True] * allowed + [False] * 3)
         result = cuda_graphs.capture(lambda: calls.append("run"), None, lambda: next(answers))
-        runs = min(allowed, 2)
+        runs = min(allowed, cuda_graphs.WARM_UP_RUNS)
         assert calls[:1 + 2 * runs] == ["join"] + ["side", "run"] * runs
-        if allowed < 3:
+        if allowed <= cuda_graphs.WARM_UP_RUNS:
             assert result is None and calls[1 + 2 * runs:] == ["join"]
         else:
-            assert isinstance(result[0], Graph) and calls[5:] == ["join", "capture", "run"]
+            assert isinstance(result[0], Graph) and calls[1 + 2 * runs:] == ["join", "capture", "run"]

@@ -28,6 +28,9 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SHORTEST_CHUNK = 32  # the smallest padded chunk of prompt tokens
 MAX_PIECES = 16  # prompt pieces one captured step prefills at most (more run eagerly)
 MAX_SPLITS = 16
+# runs of a step before its capture: the first compiles or loads its kernels, picks their configurations and makes
+# the workspaces and weight copies they use, outside the graph; a second one found nothing left to do
+WARM_UP_RUNS = 1
 
 
 def bucket_sizes(limit: int) -> list[int]:
@@ -61,14 +64,14 @@ def _always() -> bool:
 def capture(fn: Callable[[], Any], pool: tuple, proceed: Callable[[], bool] = _always,
             seconds: dict[str, float] | None = None) -> tuple[torch.cuda.CUDAGraph, Any] | None:
     """A CUDA graph of ``fn()`` (which reads only static buffers) and its static output; None (nothing captured)
-    where ``proceed()``, asked before each of its slices (two warm-up runs, then the capture), says stop.
+    where ``proceed()``, asked before each of its slices (``WARM_UP_RUNS`` runs, then the capture), says stop.
     ``seconds["runs"]`` and ``seconds["capture"]`` are added the warm-up runs' time (to the end of their device
     work) and the capture's."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     started = time.perf_counter()
     try:
-        for _ in range(2):  # warm-up runs compile, pick kernels and allocate workspaces outside the graph
+        for _ in range(WARM_UP_RUNS):
             if not proceed():
                 return None
             with torch.cuda.stream(side):
