@@ -21,6 +21,9 @@ def test_coldstart_bench_runs_and_prints_the_table(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     result = json.loads((tmp_path / "coldstart_bench.json").read_text())
     assert result["export_s"] > 0 and result["load_old_s"] > 0 and result["load_new_s"] > 0
+    by_threads = result["disk_read_cold_GBps_by_threads"]  # every way and thread count was timed
+    assert {f"{kind} {threads}" for kind in ("buffered", "direct") for threads in (1, 4, 8, 16, 32)} == set(by_threads)
+    assert all(isinstance(speed, str) or speed > 0 for speed in by_threads.values())
     assert result["export_overlap_s"] >= 0  # the phases' spans were read (the tiny shape's may not overlap)
     for start in ("first_start", "first_start_no_kernel_cache", "restart"):  # after the export, without a cache
         measured = result[start]
