@@ -311,8 +311,9 @@ def test_a_step_whose_graph_is_not_captured_yet_runs_a_bigger_captured_bucket(mo
 
 
 def test_capture_stops_between_its_slices_when_told(monkeypatch):
-    """`capture`'s slices (`WARM_UP_RUNS` runs on a side stream, then the capture): ``proceed`` is asked before each,
-    and a stop leaves the device's streams joined and nothing captured. CUDA stand-ins record the calls."""
+    """`capture`'s slices (one warm-up run on a side stream, two where the first timed kernels, then the capture):
+    ``proceed`` is asked before each, and a stop leaves the device's streams joined and nothing captured. CUDA
+    stand-ins record the calls."""
     calls = []
 
     class Stream:
@@ -332,13 +333,20 @@ def test_capture_stops_between_its_slices_when_told(monkeypatch):
     monkeypatch.setattr(torch.cuda, "stream", on)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
     monkeypatch.setattr(torch.cuda, "graph", on)
-    for allowed in range(cuda_graphs.WARM_UP_RUNS + 2):
-        calls.clear()
-        answers = iter([True] * allowed + [False] * 3)
-        result = cuda_graphs.capture(lambda: calls.append("run"), None, lambda: next(answers))
-        runs = min(allowed, cuda_graphs.WARM_UP_RUNS)
-        assert calls[:1 + 2 * runs] == ["join"] + ["side", "run"] * runs
-        if allowed <= cuda_graphs.WARM_UP_RUNS:
-            assert result is None and calls[1 + 2 * runs:] == ["join"]
-        else:
-            assert isinstance(result[0], Graph) and calls[1 + 2 * runs:] == ["join", "capture", "run"]
+    timed = [0]  # kernels timed so far: a warm-up run that times some is run again (once)
+    monkeypatch.setattr(cuda_graphs, "timings", lambda: timed[0])
+    for choosing, warm_ups in ((False, 1), (True, cuda_graphs.MAX_WARM_UP_RUNS)):
+        def run():
+            calls.append("run")
+            timed[0] += choosing  # a run that chooses kernels times them
+
+        for allowed in range(warm_ups + 2):
+            calls.clear()
+            answers = iter([True] * allowed + [False] * 3)
+            result = cuda_graphs.capture(run, None, lambda: next(answers))
+            runs = min(allowed, warm_ups)
+            assert calls[:1 + 2 * runs] == ["join"] + ["side", "run"] * runs
+            if allowed <= warm_ups:
+                assert result is None and calls[1 + 2 * runs:] == ["join"]
+            else:
+                assert isinstance(result[0], Graph) and calls[1 + 2 * runs:] == ["join", "capture", "run"]

@@ -113,6 +113,7 @@ def measure_ms(run: Callable[[], object], repeats: int = 20, replays: int = 5) -
     0.0, nothing run."""
     if compiling_only():
         return 0.0
+    _count_timing()
     run()
     device = torch.cuda.current_device()
     evict = _EVICT.get(device)
@@ -132,6 +133,17 @@ def measure_ms(run: Callable[[], object], repeats: int = 20, replays: int = 5) -
 
 # device index -> a buffer of twice the GPU's L2 cache, read before each timed run
 _EVICT: dict[int, Tensor] = {}
+_TIMINGS = [0]  # candidates and autotune configurations timed in this process so far
+
+
+def _count_timing() -> None:
+    _TIMINGS[0] += 1
+
+
+def timings() -> int:
+    """How many candidates (`measure_ms`) and autotune configurations (`time_candidate`) this process has timed:
+    code during which it grew chose kernels."""
+    return _TIMINGS[0]
 
 
 def release_timing_buffers() -> None:
@@ -198,6 +210,7 @@ def time_candidate(kernel_call: Callable[[], object], quantiles: Sequence[float]
     are compiled there, timed later)."""
     if compiling_only():
         return 0.0 if quantiles is None else [0.0] * len(quantiles)
+    _count_timing()
     return triton.testing.do_bench(kernel_call, warmup=TUNE_WARMUP_MS, rep=TUNE_REP_MS, quantiles=quantiles)
 
 

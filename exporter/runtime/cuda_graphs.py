@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..llm.gemv import timings
 from ..llm.model import Decoder
 from ..llm.paged_attention import Chunk, PagedBatch, PagedKVCache
 from ..llm.paged_triton import CHUNK_TILE, split_count
@@ -28,9 +29,10 @@ BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SHORTEST_CHUNK = 32  # the smallest padded chunk of prompt tokens
 MAX_PIECES = 16  # prompt pieces one captured step prefills at most (more run eagerly)
 MAX_SPLITS = 16
-# runs of a step before its capture: the first compiles or loads its kernels, picks their configurations and makes
-# the workspaces and weight copies they use, outside the graph; a second one found nothing left to do
-WARM_UP_RUNS = 1
+# runs of a step before its capture, outside the graph: the first compiles or loads its kernels, restores or chooses
+# their configurations and makes the workspaces and weight copies they use. A second one runs only where the first
+# timed kernels to choose them (no kernel cache): a start whose kernel cache holds every choice runs each step once.
+MAX_WARM_UP_RUNS = 2
 
 
 def bucket_sizes(limit: int) -> list[int]:
@@ -64,18 +66,22 @@ def _always() -> bool:
 def capture(fn: Callable[[], Any], pool: tuple, proceed: Callable[[], bool] = _always,
             seconds: dict[str, float] | None = None) -> tuple[torch.cuda.CUDAGraph, Any] | None:
     """A CUDA graph of ``fn()`` (which reads only static buffers) and its static output; None (nothing captured)
-    where ``proceed()``, asked before each of its slices (``WARM_UP_RUNS`` runs, then the capture), says stop.
+    where ``proceed()``, asked before each of its slices (one warm-up run, a second where the first timed kernels
+    (``MAX_WARM_UP_RUNS``), then the capture), says stop.
     ``seconds["runs"]`` and ``seconds["capture"]`` are added the warm-up runs' time (to the end of their device
     work) and the capture's."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     started = time.perf_counter()
     try:
-        for _ in range(WARM_UP_RUNS):
+        for _ in range(MAX_WARM_UP_RUNS):
             if not proceed():
                 return None
+            timed = timings()
             with torch.cuda.stream(side):
                 fn()
+            if timings() == timed:  # it chose no kernel: nothing is left for another run
+                break
     finally:
         torch.cuda.current_stream().wait_stream(side)
     if seconds is not None:
