@@ -206,14 +206,14 @@ def test_fp8_row_quantization_equals_torch(kernels, shape):
 # (INT4, weight pointer type, DOT, SPLIT_K, BLOCK_M, BLOCK_N, BLOCK_K): one-row and 8-row FMA tiles, tensor-core tiles
 HOPPER_CASES = [(True, "*i32", False, 1, 1, 16, 256), (True, "*i32", False, 4, 8, 4, 512),
                 (True, "*i32", True, 2, 32, 64, 128), (False, "*i8", False, 1, 1, 8, 512),
-                (False, "*fp8e4nv", True, 4, 32, 128, 128)]
+                (False, "*fp8e4nv", True, 4, 32, 128, 128), (False, "*i8", True, 1, 32, 64, 256)]
 
 
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "-".join(map(str, c[:5])))
 def test_kernel_compiles_for_hopper(case):
     """Compiled for sm_90 without a GPU (Triton's own ptxas): the GPU build, which the interpreter never runs,
-    succeeds; an int4 tile's words keep the layout they are loaded in (no conversion inside the K loop) where the
-    accumulator is 2-D."""
+    succeeds; an int8 or fp8 tensor-core tile multiplies on wgmma; an int4 tile's words keep the layout they are
+    loaded in (no conversion inside the K loop) where the accumulator is 2-D."""
     if TRITON_INTERPRETED:
         pytest.skip("compiles in the parent run")
     import triton
@@ -235,6 +235,8 @@ def test_kernel_compiles_for_hopper(case):
                        attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     assert ".entry _qlinear_kernel" in compiled.asm["ptx"]
+    if dot and not int4:  # the weight tile is wgmma's register operand (`W x^T`), not mma.sync's
+        assert "wgmma.mma_async" in compiled.asm["ptx"] and "mma.sync" not in compiled.asm["ptx"]
     if int4 and (dot or block_m == 1):
         loop = compiled.asm["ttgir"].split("scf.for", 1)[1].split("scf.yield", 1)[0]
         assert "xi32" not in "".join(line for line in loop.splitlines() if "convert_layout" in line)

@@ -4,9 +4,10 @@ On CUDA (with Triton) each product has candidates, and the first call of each (m
 bucket) times them and keeps the fastest (`gemv.fastest`), so a candidate can only help:
 
 - `fused`: one Triton kernel dequantizes each weight tile in registers and multiplies it, each program one output
-  tile over the whole of K. Up to 8 rows (decode) it accumulates with FMAs; more rows use tensor cores (`tl.dot`),
-  and so do the `fused_mma` / `split_mma` candidates of 2 to 8 rows (rows padded to a 16-row tile). Autotuned per
-  (N, K, group, rows) over a focused space of tile shapes. int4 has only the 2-to-8-row tensor-core tiles of it
+  tile over the whole of K. Up to 8 rows (decode) it accumulates with FMAs; more rows use tensor cores (`tl.dot`
+  of `W x^T`, the converted weight tile wgmma's register operand on Hopper), and so do the `fused_mma` /
+  `split_mma` candidates of 2 to 8 rows (rows padded to a 16-row tile). Autotuned per (N, K, group, rows) over a
+  focused space of tile shapes. int4 has only the 2-to-8-row tensor-core tiles of it
   (`packed` is faster elsewhere, or dequantize + cuBLAS above 64 rows).
 - `split` (up to 64 rows): the same kernel with K split over SPLIT_K programs per output tile (a decode step or a
   32-row batch has too few output tiles to keep every SM streaming), each storing its float32 partial sum; the
@@ -456,7 +457,8 @@ if triton is not None:
         program's slice of K (axis 2 of the grid: SPLIT_K slices of whole BLOCK_K tiles).
 
         DOT: tensor-core products of each dequantized tile (BLOCK_M >= 16), its operands rounded to the activation
-        dtype as the reference's are; otherwise FMAs into a per-thread accumulator reduced once at the end (few
+        dtype as the reference's are, computed transposed (`W x^T`): the converted weight tile is then the register
+        operand of Hopper's wgmma, not written back to shared memory (x^T is read from there); otherwise FMAs into a per-thread accumulator reduced once at the end (few
         rows: the weight read dominates). SPLIT_K > 1: `_store_tile` finishes the tile from the slices' partials
         (`p_ptr`, `[SPLIT_K, M, N]` float32) and tickets (`c_ptr`). M_BUCKET only keys the autotuning."""
         rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
@@ -465,7 +467,7 @@ if triton is not None:
         width = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         ONE_ROW: tl.constexpr = BLOCK_M == 1 and not DOT
         if DOT:
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         elif ONE_ROW:  # a 2-D accumulator: the weight tile keeps the layout it is loaded in
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         else:
@@ -475,13 +477,13 @@ if triton is not None:
             x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE, GATED)
             w = _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4, G, BLOCK_N, BLOCK_K)
             if DOT:
-                acc = tl.dot(x.to(dtype), tl.trans(w.to(dtype)), acc, input_precision=PRECISION)
+                acc = tl.dot(w.to(dtype), tl.trans(x.to(dtype)), acc, input_precision=PRECISION)
             elif ONE_ROW:
                 acc += w * x
             else:
                 acc += w[None, :, :] * x[:, None, :]
         if DOT:
-            y = acc
+            y = tl.trans(acc)
         elif ONE_ROW:
             y = tl.sum(acc, axis=1)[None, :]
         else:
