@@ -30,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
     ("stream_overlap_probe.py", [], "stream_overlap_probe.json", "chunk_shape"),
     ("launch_overlap_probe.py", [], "launch_overlap_probe.json", "plain chain against torch"),  # interpreter
     ("decode_attention_probe.py", [], "decode_attention_probe.json", "GROUP_MAJOR=False"),  # interpreter
+    ("int8_convert_probe.py", [], "int8_convert_probe.json", "SASS a weight in the K loop"),  # sm_90 compile
     ("late_reads.py", [], "late_reads.json", "read after the stream began"),  # the demo restarted, to READY
 ])
 def test_bench_runs_at_its_tiny_shape(tmp_path, script, arguments, json_name, table_line):
