@@ -37,7 +37,9 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-MODES = {"exponent": 0, "prmt4": 1, "prmt2": 3, "fp8": 2}
+from exporter.llm.quant.kernels import _exact_float  # noqa: E402  (the engine's int8 conversion)
+
+MODES = {"exponent": 0, "prmt4": 1, "prmt2": 2, "fp8": 3}
 SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))  # qkv, o, fc1 (gate; up), fc2
 TILES = ((128, 256, 8, 3), (64, 256, 4, 3))  # (BLOCK_N, BLOCK_K, warps, stages), BLOCK_M 32
 ROWS = 32
@@ -91,12 +93,11 @@ def _tile_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, MODE: tl.constexpr, BLOCK_M: 
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + tokens[:, None] * K + cols[None, :])
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], eviction_policy="evict_first")
-        if MODE == 0:
-            biased = (w.to(tl.uint8, bitcast=True) ^ 128).to(tl.int32)
-            weights = ((biased | 0x4B000000).to(tl.float32, bitcast=True) - 8388736.0).to(tl.bfloat16)
+        if MODE == 0:  # as `kernels._weight_tile` converts int8
+            weights = _exact_float((w.to(tl.uint8, bitcast=True) ^ 128).to(tl.int32), 128.0).to(tl.bfloat16)
         elif MODE == 1:
             weights = _int8_word_as_bfloat16(w)
-        elif MODE == 3:
+        elif MODE == 2:
             weights = _int8_pair_as_bfloat16(w)
         else:
             weights = w.to(tl.float32).to(tl.bfloat16)
@@ -112,7 +113,7 @@ def _sass_a_weight(mode: int, tile: tuple[int, int, int, int]) -> tuple[float, d
     from triton.compiler import ASTSource
 
     block_n, block_k, warps, stages = tile
-    signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if mode == 2 else "*i8", "s_ptr": "*fp32",
+    signature = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv" if mode == MODES["fp8"] else "*i8", "s_ptr": "*fp32",
                  "y_ptr": "*bf16", "N": "i32", "K": "i32"} | dict.fromkeys(("MODE", "BLOCK_M", "BLOCK_N", "BLOCK_K"),
                                                                          "constexpr")
     source = ASTSource(fn=_tile_kernel, signature=signature,

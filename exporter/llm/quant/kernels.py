@@ -458,8 +458,8 @@ if triton is not None:
 
         DOT: tensor-core products of each dequantized tile (BLOCK_M >= 16), its operands rounded to the activation
         dtype as the reference's are, computed transposed (`W x^T`): the converted weight tile is then the register
-        operand of Hopper's wgmma, not written back to shared memory (x^T is read from there); otherwise FMAs into a per-thread accumulator reduced once at the end (few
-        rows: the weight read dominates). SPLIT_K > 1: `_store_tile` finishes the tile from the slices' partials
+        operand of Hopper's wgmma, not written back to shared memory (x^T is read from there); otherwise FMAs into
+        a per-thread accumulator reduced once at the end (few rows: the weight read dominates). SPLIT_K > 1: `_store_tile` finishes the tile from the slices' partials
         (`p_ptr`, `[SPLIT_K, M, N]` float32) and tickets (`c_ptr`). M_BUCKET only keys the autotuning."""
         rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
         part = tl.program_id(2)
