@@ -2,14 +2,18 @@
 
 The engine's int8_wo and fp8 products at 32 rows run the same `W x^T` tile (`exporter/llm/quant/kernels.py`), but
 int8's take 1.4x fp8's time. The only difference is how a weight becomes bfloat16. This probe runs one simplified
-copy of that tile (unsplit, per-row scale at the end) in three modes:
+copy of that tile (unsplit, per-row scale at the end) in five modes:
 
-- `exponent`: the engine's int8 conversion (the byte under float32's exponent of 2**23, a subtraction, bfloat16);
+- `exponent`: the engine's pure Triton int8 conversion, the one the interpreter runs (the byte under float32's exponent of 2**23, a subtraction, bfloat16);
 - `prmt4`: the same arithmetic as inline PTX, four weights of one 32-bit word at a time (an XOR, four byte
   permutes, four subtractions, two packing conversions);
-- `prmt2`: the same, two weights of a 16-bit half at a time. The weight operand's layout gives each thread pairs of
-  bytes (16-bit shared-memory loads), so `prmt4` first spends byte permutes gathering them into words;
-- `fp8`: fp8 weights through the engine's conversion.
+- `prmt2`: the same, two weights of a 16-bit half at a time (`kernels._int8_pairs_as_bfloat16`, what the engine's
+  int8 tensor-core tiles run on CUDA). The weight operand's layout gives each thread pairs of bytes (16-bit
+  shared-memory loads), so `prmt4` first spends byte permutes gathering them into words;
+- `fp8`: fp8 weights through the engine's conversion;
+- `f16`: the product in float16, where int8 is exact: one byte permute puts two weights under float16's exponent
+  of 1024, an XOR and one packed subtraction finish them; the activations are converted to float16 (a quarter as
+  many values as the weights at 32 rows).
 
 On CUDA it times each mode on LLaVA-1.5-7B's four product shapes at two tile shapes (`gemv.measure_ms`: from a CUDA
 graph, the weight evicted from the L2 cache) and checks the int8 modes against float32 dequantize-then-matmul.
@@ -37,9 +41,9 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from exporter.llm.quant.kernels import _exact_float  # noqa: E402  (the engine's int8 conversion)
+from exporter.llm.quant.kernels import _exact_float, _int8_pairs_as_bfloat16  # noqa: E402  (the engine's conversions)
 
-MODES = {"exponent": 0, "prmt4": 1, "prmt2": 2, "fp8": 3}
+MODES = {"exponent": 0, "prmt4": 1, "prmt2": 2, "fp8": 3, "f16": 4}
 SHAPES = ((12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008))  # qkv, o, fc1 (gate; up), fc2
 TILES = ((128, 256, 8, 3), (64, 256, 4, 3))  # (BLOCK_N, BLOCK_K, warps, stages), BLOCK_M 32
 ROWS = 32
@@ -67,19 +71,18 @@ def _int8_word_as_bfloat16(w):
 
 
 @triton.jit
-def _int8_pair_as_bfloat16(w):
-    """Two int8 weights of a 16-bit half as two exact bfloat16 (as `_int8_word_as_bfloat16`)."""
+def _int8_pair_as_float16(w):
+    """Two int8 weights of a 16-bit half as two float16 (exact): each byte put under float16's exponent of 1024 by
+    one byte permute, XOR 0x80 for w + 128, less 1152 in one packed subtraction."""
     return tl.inline_asm_elementwise(
         """{
-        .reg .b32 t, f0, f1;
+        .reg .b32 t, h, c;
         cvt.u32.u16 t, $1;
-        xor.b32 t, t, 0x8080;
-        prmt.b32 f0, t, 0x4B000000, 0x7650;
-        prmt.b32 f1, t, 0x4B000000, 0x7651;
-        sub.f32 f0, f0, 0f4B000080;
-        sub.f32 f1, f1, 0f4B000080;
-        cvt.rn.bf16x2.f32 $0, f1, f0;
-        }""", "=r,h", [w], dtype=tl.bfloat16, is_pure=True, pack=2)
+        prmt.b32 h, t, 0x64646464, 0x5140;
+        xor.b32 h, h, 0x00800080;
+        mov.b32 c, 0x64806480;
+        sub.rn.f16x2 $0, h, c;
+        }""", "=r,h", [w], dtype=tl.float16, is_pure=True, pack=2)
 
 
 @triton.jit
@@ -98,9 +101,12 @@ def _tile_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, K, MODE: tl.constexpr, BLOCK_M: 
         elif MODE == 1:
             weights = _int8_word_as_bfloat16(w)
         elif MODE == 2:
-            weights = _int8_pair_as_bfloat16(w)
-        else:
+            weights = _int8_pairs_as_bfloat16(w)
+        elif MODE == 3:
             weights = w.to(tl.float32).to(tl.bfloat16)
+        else:
+            weights = _int8_pair_as_float16(w)
+            x = x.to(tl.float16)
         acc = tl.dot(weights, tl.trans(x), acc)
     y = tl.trans(acc) * tl.load(s_ptr + rows)[None, :]
     tl.store(y_ptr + tokens[:, None] * N + rows[None, :], y.to(tl.bfloat16))

@@ -213,7 +213,8 @@ HOPPER_CASES = [(True, "*i32", False, 1, 1, 16, 256), (True, "*i32", False, 4, 8
 def test_kernel_compiles_for_hopper(case):
     """Compiled for sm_90 without a GPU (Triton's own ptxas): the GPU build, which the interpreter never runs,
     succeeds; an int8 or fp8 tensor-core tile multiplies on wgmma; an int4 tile's words keep the layout they are
-    loaded in (no conversion inside the K loop) where the accumulator is 2-D."""
+    loaded in (no conversion inside the K loop) where the accumulator is 2-D; an int8 tensor-core tile converts
+    its weights by the inline PTX's byte permutes."""
     if TRITON_INTERPRETED:
         pytest.skip("compiles in the parent run")
     import triton
@@ -227,7 +228,8 @@ def test_kernel_compiles_for_hopper(case):
                 "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "c_ptr": "*i32"}
     sizes = dict.fromkeys(("M", "N", "K", "W_STRIDE", "NG", "M_BUCKET"), "i32")
     constants = {"INT4": int4, "G": 128 if int4 else 1, "HAS_INPUT_SCALE": int4, "HAS_BIAS": True,
-                 "GATED": split == 4, "DOT": dot, "PRECISION": "tf32", "BLOCK_M": block_m, "BLOCK_N": block_n,
+                 "GATED": split == 4, "DOT": dot, "PRECISION": "tf32", "INT8_PTX": dot and weight_type == "*i8",
+                 "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "BLOCK_K": block_k, "SPLIT_K": split}
     signature = pointers | sizes | dict.fromkeys(constants, "constexpr")
     aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name in ("N", "K", "W_STRIDE")]
@@ -237,6 +239,8 @@ def test_kernel_compiles_for_hopper(case):
     assert ".entry _qlinear_kernel" in compiled.asm["ptx"]
     if dot and not int4:  # the weight tile is wgmma's register operand (`W x^T`), not mma.sync's
         assert "wgmma.mma_async" in compiled.asm["ptx"] and "mma.sync" not in compiled.asm["ptx"]
+    if dot and weight_type == "*i8":
+        assert "prmt.b32 f0, t, 0x4B000000, 0x7650" in compiled.asm["ptx"]
     if int4 and (dot or block_m == 1):
         loop = compiled.asm["ttgir"].split("scf.for", 1)[1].split("scf.yield", 1)[0]
         assert "xi32" not in "".join(line for line in loop.splitlines() if "convert_layout" in line)

@@ -31,7 +31,8 @@ first, then the plain kernel (`gemv.activation_first`); the others run the activ
 
 The kernels read int4 weights as int32 words of eight nibbles (nibble i of word w is column 8w + i, the stored
 byte order), and turn int4 and int8 values into floats with exponent bit tricks (an OR and a subtraction, exact)
-rather than conversion instructions, which run at a fraction of the FMA rate.
+rather than conversion instructions, which run at a fraction of the FMA rate; int8 tensor-core tiles of bfloat16
+activations do the same in inline PTX, two weights a byte permute (`_int8_pairs_as_bfloat16`).
 
 Everywhere else (CPU, no Triton) the reference runs: `formats.dequantize`, then `F.linear`. Nothing here syncs
 with the host once a key's choice is made (made outside graph capture: the capture's warm-up runs come first), so
@@ -41,6 +42,7 @@ all of it can be captured in CUDA graphs.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterable
 
 import torch
@@ -57,6 +59,7 @@ try:
 except ImportError:  # no Triton (CPU-only installs): the reference everywhere
     triton = None
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # inline PTX cannot run under Triton's interpreter
 DECODE_ROWS = 8  # up to this many rows the fused kernel accumulates with FMAs; more use tensor cores
 SPLIT_ROWS = 64  # above this many rows the output tiles alone fill the GPU: no split-K candidate
 # copy -> the candidates that read it: a weight's tensors in a form only they read ("tinygemm": an int4 weight in
@@ -168,7 +171,8 @@ def fused_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, 
     split = split or (config or {}).get("SPLIT_K", 1) > 1
     arguments = dict(
         INT4=layout.int4, G=layout.group or 1, HAS_INPUT_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
-        GATED=gated, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+        GATED=gated, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        INT8_PTX=dot and layout.method == "int8_wo" and x.dtype == torch.bfloat16 and not _INTERPRETED)
     if not dot:
         arguments["BLOCK_M"] = triton.next_power_of_2(rows)
     weight = _weight_words(layout, weight)
@@ -393,16 +397,34 @@ if triton is not None:
         return (v | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)
 
     @triton.jit
+    def _int8_pairs_as_bfloat16(w):
+        """int8 weights as exact bfloat16, two of a 16-bit half at a time in inline PTX (the layout of a tensor-core
+        operand hands each thread adjacent byte pairs): XOR 0x80 gives w + 128 as unsigned bytes, each put under
+        float32's exponent of 2**23 by a byte permute, less 2**23 + 128, packed two a register. CUDA only."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t, f0, f1;
+            cvt.u32.u16 t, $1;
+            xor.b32 t, t, 0x8080;
+            prmt.b32 f0, t, 0x4B000000, 0x7650;
+            prmt.b32 f1, t, 0x4B000000, 0x7651;
+            sub.f32 f0, f0, 0f4B000080;
+            sub.f32 f1, f1, 0f4B000080;
+            cvt.rn.bf16x2.f32 $0, f1, f0;
+            }""", "=r,h", [w], dtype=tl.bfloat16, is_pure=True, pack=2)
+
+    @triton.jit
     def _nibble(packed, s, z, i: tl.constexpr):
         """Nibble i of each int32 word, dequantized with the word's scale and zero (float32)."""
         return (_exact_float((packed >> (4 * i)) & 15, 0.0) - z) * s
 
     @triton.jit
     def _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4: tl.constexpr, G: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8_PTX: tl.constexpr = False):
         """Weight rows `rows` (BLOCK_N of them) x columns `[k0, k0 + BLOCK_K)` in float32, `[BLOCK_N, BLOCK_K]`;
         k0 is a multiple of BLOCK_K. int8 and fp8 are unscaled (the per-row scale multiplies the finished
         product); int4 is dequantized with its groups' scales and zeros. Columns past the stored ones are 0.
+        INT8_PTX: int8 comes as bfloat16 (the same values) from `_int8_pairs_as_bfloat16`.
 
         int4 is read as int32 words, column 8w + i being nibble i of word w; each word's scale and zero (its 8
         nibbles share a group) are loaded once a word, in the words' layout. The 8 nibble tiles are put back in
@@ -427,7 +449,9 @@ if triton is not None:
             cols = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_ptr + rows[:, None] * W_STRIDE + cols[None, :],
                         mask=row_ok[:, None] & (cols < W_STRIDE)[None, :], other=0.0, eviction_policy="evict_first")
-            if w.dtype == tl.int8:  # x + 128 as an unsigned byte, into the mantissa
+            if w.dtype == tl.int8 and INT8_PTX:
+                return _int8_pairs_as_bfloat16(w)
+            elif w.dtype == tl.int8:  # x + 128 as an unsigned byte, into the mantissa
                 return _exact_float((w.to(tl.uint8, bitcast=True) ^ 128).to(tl.int32), 128.0)
             else:
                 return w.to(tl.float32)
@@ -451,16 +475,18 @@ if triton is not None:
     def _qlinear_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, p_ptr, c_ptr, M, N, K, W_STRIDE, NG,
                         M_BUCKET,
                         INT4: tl.constexpr, G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                        GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, INT8_PTX: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
         """y[m, n] = sum_k x[m, k] (* xs[k]) W[n, k] (+ b[n]) for a BLOCK_M x BLOCK_N tile, in float32, over the
         program's slice of K (axis 2 of the grid: SPLIT_K slices of whole BLOCK_K tiles).
 
         DOT: tensor-core products of each dequantized tile (BLOCK_M >= 16), its operands rounded to the activation
         dtype as the reference's are, computed transposed (`W x^T`): the converted weight tile is then the register
         operand of Hopper's wgmma, not written back to shared memory (x^T is read from there); otherwise FMAs into
-        a per-thread accumulator reduced once at the end (few rows: the weight read dominates). SPLIT_K > 1: `_store_tile` finishes the tile from the slices' partials
-        (`p_ptr`, `[SPLIT_K, M, N]` float32) and tickets (`c_ptr`). M_BUCKET only keys the autotuning."""
+        a per-thread accumulator reduced once at the end (few rows: the weight read dominates). INT8_PTX (DOT, int8
+        weights, bfloat16 activations, compiled for CUDA): int8 tiles converted by inline PTX. SPLIT_K > 1:
+        `_store_tile` finishes the tile from the slices' partials (`p_ptr`, `[SPLIT_K, M, N]` float32) and tickets
+        (`c_ptr`). M_BUCKET only keys the autotuning."""
         rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
         part = tl.program_id(2)
         dtype = x_ptr.dtype.element_ty
@@ -475,7 +501,8 @@ if triton is not None:
         for k0 in range(part * width, tl.minimum(part * width + width, K), BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE, GATED)
-            w = _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4, G, BLOCK_N, BLOCK_K)
+            w = _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4, G, BLOCK_N, BLOCK_K,
+                             INT8_PTX)
             if DOT:
                 acc = tl.dot(w.to(dtype), tl.trans(x.to(dtype)), acc, input_precision=PRECISION)
             elif ONE_ROW:
