@@ -214,7 +214,7 @@ def test_kernel_compiles_for_hopper(case):
     """Compiled for sm_90 without a GPU (Triton's own ptxas): the GPU build, which the interpreter never runs,
     succeeds; an int8 or fp8 tensor-core tile multiplies on wgmma; an int4 tile's words keep the layout they are
     loaded in (no conversion inside the K loop) where the accumulator is 2-D; an int8 tensor-core tile converts
-    its weights by the inline PTX's byte permutes."""
+    its weights by the inline PTX's byte permutes, in byte pairs (tensor cores) or words (FMA)."""
     if TRITON_INTERPRETED:
         pytest.skip("compiles in the parent run")
     import triton
@@ -228,7 +228,7 @@ def test_kernel_compiles_for_hopper(case):
                 "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "c_ptr": "*i32"}
     sizes = dict.fromkeys(("M", "N", "K", "W_STRIDE", "NG", "M_BUCKET"), "i32")
     constants = {"INT4": int4, "G": 128 if int4 else 1, "HAS_INPUT_SCALE": int4, "HAS_BIAS": True,
-                 "GATED": split == 4, "DOT": dot, "PRECISION": "tf32", "INT8_PTX": dot and weight_type == "*i8",
+                 "GATED": split == 4, "DOT": dot, "PRECISION": "tf32", "INT8_PTX": weight_type == "*i8",
                  "BLOCK_M": block_m, "BLOCK_N": block_n,
                  "BLOCK_K": block_k, "SPLIT_K": split}
     signature = pointers | sizes | dict.fromkeys(constants, "constexpr")
@@ -239,8 +239,9 @@ def test_kernel_compiles_for_hopper(case):
     assert ".entry _qlinear_kernel" in compiled.asm["ptx"]
     if dot and not int4:  # the weight tile is wgmma's register operand (`W x^T`), not mma.sync's
         assert "wgmma.mma_async" in compiled.asm["ptx"] and "mma.sync" not in compiled.asm["ptx"]
-    if dot and weight_type == "*i8":
-        assert "prmt.b32 f0, t, 0x4B000000, 0x7650" in compiled.asm["ptx"]
+    if weight_type == "*i8":  # by byte pairs into bfloat16 (tensor cores) or by words into float32 (FMA)
+        assert ("xor.b32 t, t, 0x8080;" if dot else "xor.b32 t, %r") in compiled.asm["ptx"]
+        assert ("0x80808080" in compiled.asm["ptx"]) != dot
     if int4 and (dot or block_m == 1):
         loop = compiled.asm["ttgir"].split("scf.for", 1)[1].split("scf.yield", 1)[0]
         assert "xi32" not in "".join(line for line in loop.splitlines() if "convert_layout" in line)

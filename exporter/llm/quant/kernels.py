@@ -32,7 +32,8 @@ first, then the plain kernel (`gemv.activation_first`); the others run the activ
 The kernels read int4 weights as int32 words of eight nibbles (nibble i of word w is column 8w + i, the stored
 byte order), and turn int4 and int8 values into floats with exponent bit tricks (an OR and a subtraction, exact)
 rather than conversion instructions, which run at a fraction of the FMA rate; int8 tensor-core tiles of bfloat16
-activations do the same in inline PTX, two weights a byte permute (`_int8_pairs_as_bfloat16`).
+activations do the same in inline PTX, two weights a byte permute (`_int8_pairs_as_bfloat16`), and so do the
+int8 FMA tiles, four weights of a word (`_int8_words_as_float32`).
 
 Everywhere else (CPU, no Triton) the reference runs: `formats.dequantize`, then `F.linear`. Nothing here syncs
 with the host once a key's choice is made (made outside graph capture: the capture's warm-up runs come first), so
@@ -172,7 +173,7 @@ def fused_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, 
     arguments = dict(
         INT4=layout.int4, G=layout.group or 1, HAS_INPUT_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
         GATED=gated, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        INT8_PTX=dot and layout.method == "int8_wo" and x.dtype == torch.bfloat16 and not _INTERPRETED)
+        INT8_PTX=layout.method == "int8_wo" and not _INTERPRETED and (not dot or x.dtype == torch.bfloat16))
     if not dot:
         arguments["BLOCK_M"] = triton.next_power_of_2(rows)
     weight = _weight_words(layout, weight)
@@ -414,17 +415,36 @@ if triton is not None:
             }""", "=r,h", [w], dtype=tl.bfloat16, is_pure=True, pack=2)
 
     @triton.jit
+    def _int8_words_as_float32(w):
+        """int8 weights as exact float32, four of a 32-bit word at a time in inline PTX (the FMA tiles' loads give
+        each thread whole words): as `_int8_pairs_as_bfloat16`, without the packing. CUDA only."""
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t;
+            xor.b32 t, $4, 0x80808080;
+            prmt.b32 $0, t, 0x4B000000, 0x7650;
+            prmt.b32 $1, t, 0x4B000000, 0x7651;
+            prmt.b32 $2, t, 0x4B000000, 0x7652;
+            prmt.b32 $3, t, 0x4B000000, 0x7653;
+            sub.f32 $0, $0, 0f4B000080;
+            sub.f32 $1, $1, 0f4B000080;
+            sub.f32 $2, $2, 0f4B000080;
+            sub.f32 $3, $3, 0f4B000080;
+            }""", "=f,=f,=f,=f,r", [w], dtype=tl.float32, is_pure=True, pack=4)
+
+    @triton.jit
     def _nibble(packed, s, z, i: tl.constexpr):
         """Nibble i of each int32 word, dequantized with the word's scale and zero (float32)."""
         return (_exact_float((packed >> (4 * i)) & 15, 0.0) - z) * s
 
     @triton.jit
     def _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4: tl.constexpr, G: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8_PTX: tl.constexpr = False):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INT8_PTX: tl.constexpr = False,
+                     DOT: tl.constexpr = False):
         """Weight rows `rows` (BLOCK_N of them) x columns `[k0, k0 + BLOCK_K)` in float32, `[BLOCK_N, BLOCK_K]`;
         k0 is a multiple of BLOCK_K. int8 and fp8 are unscaled (the per-row scale multiplies the finished
         product); int4 is dequantized with its groups' scales and zeros. Columns past the stored ones are 0.
-        INT8_PTX: int8 comes as bfloat16 (the same values) from `_int8_pairs_as_bfloat16`.
+        INT8_PTX: int8 is converted by inline PTX, as bfloat16 (the same values) for a tensor-core tile (`DOT`).
 
         int4 is read as int32 words, column 8w + i being nibble i of word w; each word's scale and zero (its 8
         nibbles share a group) are loaded once a word, in the words' layout. The 8 nibble tiles are put back in
@@ -449,8 +469,10 @@ if triton is not None:
             cols = k0 + tl.arange(0, BLOCK_K)
             w = tl.load(w_ptr + rows[:, None] * W_STRIDE + cols[None, :],
                         mask=row_ok[:, None] & (cols < W_STRIDE)[None, :], other=0.0, eviction_policy="evict_first")
-            if w.dtype == tl.int8 and INT8_PTX:
+            if w.dtype == tl.int8 and INT8_PTX and DOT:
                 return _int8_pairs_as_bfloat16(w)
+            elif w.dtype == tl.int8 and INT8_PTX:
+                return _int8_words_as_float32(w)
             elif w.dtype == tl.int8:  # x + 128 as an unsigned byte, into the mantissa
                 return _exact_float((w.to(tl.uint8, bitcast=True) ^ 128).to(tl.int32), 128.0)
             else:
@@ -483,8 +505,8 @@ if triton is not None:
         DOT: tensor-core products of each dequantized tile (BLOCK_M >= 16), its operands rounded to the activation
         dtype as the reference's are, computed transposed (`W x^T`): the converted weight tile is then the register
         operand of Hopper's wgmma, not written back to shared memory (x^T is read from there); otherwise FMAs into
-        a per-thread accumulator reduced once at the end (few rows: the weight read dominates). INT8_PTX (DOT, int8
-        weights, bfloat16 activations, compiled for CUDA): int8 tiles converted by inline PTX. SPLIT_K > 1:
+        a per-thread accumulator reduced once at the end (few rows: the weight read dominates). INT8_PTX (int8
+        weights compiled for CUDA; bfloat16 activations with DOT): int8 tiles converted by inline PTX. SPLIT_K > 1:
         `_store_tile` finishes the tile from the slices' partials (`p_ptr`, `[SPLIT_K, M, N]` float32) and tickets
         (`c_ptr`). M_BUCKET only keys the autotuning."""
         rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
@@ -502,7 +524,7 @@ if triton is not None:
             cols = k0 + tl.arange(0, BLOCK_K)
             x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE, GATED)
             w = _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4, G, BLOCK_N, BLOCK_K,
-                             INT8_PTX)
+                             INT8_PTX, DOT)
             if DOT:
                 acc = tl.dot(w.to(dtype), tl.trans(x.to(dtype)), acc, input_precision=PRECISION)
             elif ONE_ROW:
