@@ -729,13 +729,14 @@ if triton is not None:
 
     # split -> the autotuned packed kernel: 16 to 64 rows (1 row padded to 16) in 16- or 32-row tiles (64-row ones
     # take Hopper's wgmma, whose shared buffers exceed 228 KB at a chunk of 1024 columns; 32-row ones fit at 2
-    # stages with the gate's two loads), whole chunks of K (a chunk is 1024 columns at LLaVA's group of 128, 256 at
+    # stages with the gate's two loads, and take 8 warps: at 4 a thread's words and accumulator need more than 255
+    # registers, and they spill), whole chunks of K (a chunk is 1024 columns at LLaVA's group of 128, 256 at
     # a group of 32), split K for products with few output tiles; few shapes: each is compiled and timed per key
     _TUNED_PACKED = {
         False: _tuned_packed("quant_packed", (
             (16, 32, 1024, 1, 4, 3), (16, 64, 1024, 1, 4, 2), (16, 128, 1024, 1, 8, 2), (16, 64, 2048, 1, 4, 2),
-            (32, 64, 1024, 1, 4, 2), (16, 32, 256, 1, 4, 4), (32, 64, 512, 1, 4, 3)), split=False),
+            (32, 64, 1024, 1, 8, 2), (16, 32, 256, 1, 4, 4), (32, 64, 512, 1, 4, 3)), split=False),
         True: _tuned_packed("quant_packed_split", (
             (16, 32, 1024, 2, 4, 3), (16, 64, 1024, 4, 4, 2), (16, 32, 1024, 4, 4, 3), (16, 64, 1024, 8, 4, 2),
-            (32, 64, 1024, 2, 4, 2), (32, 64, 1024, 4, 4, 2), (16, 32, 256, 4, 4, 4)), split=True),
+            (32, 64, 1024, 2, 8, 2), (32, 64, 1024, 4, 8, 2), (16, 32, 256, 4, 4, 4)), split=True),
     }
