@@ -1,7 +1,8 @@
 """int8 weight conversions inside a 32-row tensor-core tile (the decode batch of 32), against fp8 weights.
 
-The engine's int8_wo and fp8 products at 32 rows run the same `W x^T` tile (`exporter/llm/quant/kernels.py`), but
-int8's take 1.4x fp8's time. The only difference is how a weight becomes bfloat16. This probe runs one simplified
+The engine's int8_wo and fp8 products at 32 rows run the same `W x^T` tile (`exporter/llm/quant/kernels.py`); with
+the pure Triton int8 conversion int8's took 1.4x fp8's time (the difference is how a weight becomes bfloat16), which
+is why the engine now converts with `prmt2` on CUDA. This probe runs one simplified
 copy of that tile (unsplit, per-row scale at the end) in five modes:
 
 - `exponent`: the engine's pure Triton int8 conversion, the one the interpreter runs (the byte under float32's exponent of 2**23, a subtraction, bfloat16);
