@@ -213,8 +213,8 @@ HOPPER_CASES = [(True, "*i32", False, 1, 1, 16, 256), (True, "*i32", False, 4, 8
 def test_kernel_compiles_for_hopper(case):
     """Compiled for sm_90 without a GPU (Triton's own ptxas): the GPU build, which the interpreter never runs,
     succeeds; an int8 or fp8 tensor-core tile multiplies on wgmma; an int4 tile's words keep the layout they are
-    loaded in (no conversion inside the K loop) where the accumulator is 2-D; an int8 tensor-core tile converts
-    its weights by the inline PTX's byte permutes, in byte pairs (tensor cores) or words (FMA)."""
+    loaded in (no conversion inside the K loop) where the accumulator is 2-D; an int8 tile converts its weights
+    by inline PTX, in byte pairs (tensor-core tiles) or in words (FMA tiles)."""
     if TRITON_INTERPRETED:
         pytest.skip("compiles in the parent run")
     import triton
