@@ -8,7 +8,9 @@ batch-32 decode ms/step, the throughput of 32 concurrent 128-token requests, and
 prompt of 576 image features + 32 text tokens (the LLM's part: the features are given, the vision encoder's time,
 the same for every method, is in ``llava_bench.py``). On CUDA also a captured graph of a batch-1 and of a 32-row
 step's matrix products alone (what the weight bytes cost through the chosen kernels), which kernel each product
-shape chose (printed after each method's row), and with ``--profile`` a kernel profile of one 32-row decode step.
+shape chose (printed after each method's row), and with ``--profile`` a kernel profile of one decode step (32 rows, or
+the row counts given). Where the GPU can launch kernels as programmatic dependents (`exporter.llm.triton_launch`,
+off by default), each method's batch-1 step and products are measured again launched that way, side by side.
 
 The quantized models are made from the bf16 one on the GPU, one weight at a time; int4_awq calibrates on random
 token ids (this run measures speed; the tests measure accuracy). Prints a table with the issue's targets and
@@ -17,6 +19,7 @@ writes ``$OUT/quant_bench.json`` (after each method: a run cut short keeps what 
     python bench/quant_bench.py                         # on a CUDA GPU: bf16 and all four methods
     python bench/quant_bench.py --methods int4_wo fp8   # bf16 and a subset
     python bench/quant_bench.py --methods int8_wo --profile   # and where a bs32 step's time goes, by kernel
+    python bench/quant_bench.py --methods int8_wo --profile 1 32   # the same for a bs1 and a bs32 step
     python bench/quant_bench.py --tiny                  # a tiny shape on the CPU in float32: a smoke test
 """
 
@@ -44,6 +47,7 @@ from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder
 from exporter.llm.quant import QuantLinear
 from exporter.llm.quant.convert import quantize_decoder_weights
+from exporter.llm.triton_launch import set_dependent_launch, supported
 from exporter.runtime.scheduler import Scheduler
 
 # the issue's targets on the H100: batch-1 decode ms/step
@@ -118,8 +122,8 @@ def decode_step_profile(decoder: Decoder, batch: int, device: torch.device) -> d
         while scheduler.prefilling or scheduler.waiting:
             scheduler.step()
         scheduler.step()  # captures the step (and times any candidate not seen yet)
-        profile = _kernel_profile(f"decode_bs{batch}", scheduler.step, calls=5, top=15)
-        profile["profiled"] = "captured step" if graphs else "eager step"
+        profile = _kernel_profile(f"decode_bs{batch}", scheduler.step, calls=5, top=25)
+        profile[f"profiled_bs{batch}"] = "captured step" if graphs else "eager step"
         while scheduler.step():
             pass
         if sum(profile[f"breakdown_decode_bs{batch}_kernel_us_by_kind"].values()) > 0:
@@ -128,7 +132,7 @@ def decode_step_profile(decoder: Decoder, batch: int, device: torch.device) -> d
 
 
 def measure(name: str, decoder: Decoder, device: torch.device, copy_tbps: float, tiny: bool,
-            profile: bool) -> dict:
+            profile: list[int]) -> dict:
     result = {"method": name, "copy_TBps": copy_tbps, "weight_GB": stored_gb(decoder)}
     start = time.perf_counter()
     _measure_decode(result, None, decoder, 1, device, tiny)
@@ -139,13 +143,22 @@ def measure(name: str, decoder: Decoder, device: torch.device, copy_tbps: float,
     if device.type == "cuda":
         for rows in (1, 32):
             result[f"products_ms_bs{rows}"] = products_ms(decoder, rows)
-        if profile:
-            result.update(decode_step_profile(decoder, 32, device))
+        if supported(device):  # the batch-1 step and its products again, the kernels launched as dependents
+            set_dependent_launch(True)
+            try:
+                dependent = {"weight_GB": result["weight_GB"], "copy_TBps": copy_tbps}
+                _measure_decode(dependent, None, decoder, 1, device, tiny)
+                result["decode_ms_bs1_dependent_launch"] = dependent["decode_ms_bs1_ours"]
+                result["products_ms_bs1_dependent_launch"] = products_ms(decoder, 1)
+            finally:
+                set_dependent_launch(None)
+        for rows in profile:
+            result.update(decode_step_profile(decoder, rows, device))
     result["measure_s"] = time.perf_counter() - start
     return result
 
 
-def run(tiny: bool, methods: list[str], profile: bool = False) -> dict:
+def run(tiny: bool, methods: list[str], profile: list[int] | None = None) -> dict:
     """Measures bf16, then each of `methods`: after each, prints its row and the kernels its products chose and
     saves the summary so far (a run its time limit cuts short keeps what it measured)."""
     device = torch.device("cpu" if tiny or not torch.cuda.is_available() else "cuda")
@@ -164,8 +177,9 @@ def run(tiny: bool, methods: list[str], profile: bool = False) -> dict:
         print(report_row(row), flush=True)
         if made:
             print(report_choices(made), flush=True)
-        if "breakdown_decode_bs32_top_kernels_us" in row:
-            print(report_profile(row), flush=True)
+        for rows in profile or ():
+            if f"breakdown_decode_bs{rows}_top_kernels_us" in row:
+                print(report_profile(row, rows), flush=True)
         save_result("quant_bench", summary)
 
     with torch.inference_mode():
@@ -234,6 +248,11 @@ def report(summary: dict) -> str:
                           f"{_verdict(row['ttft_ms_ours'] < base['ttft_ms_ours'])}")
         lines.append(f"  {method:9} " + "; ".join(checks))
     for row in summary["rows"]:
+        if "decode_ms_bs1_dependent_launch" in row:
+            lines.append(f"  {row['method']:9} bs1 step (products) launched plainly "
+                         f"{row['decode_ms_bs1_ours']:.2f} ({row['products_ms_bs1']:.2f}) ms, as dependents "
+                         f"{row['decode_ms_bs1_dependent_launch']:.2f} "
+                         f"({row['products_ms_bs1_dependent_launch']:.2f}) ms")
         if "products_ms_bs32" in row:
             lines.append(f"  {row['method']:9} bs32 step outside its products "
                          f"{row['decode_ms_bs32_ours'] - row['products_ms_bs32']:.2f} ms "
@@ -248,13 +267,16 @@ def report_choices(choices: dict[str, str]) -> str:
                       *(f"  {key} -> {name}" for key, name in sorted(choices.items()))])
 
 
-def report_profile(row: dict) -> str:
-    """A method's bs32 decode step by kernel: us a step by kind, then the top kernels."""
-    by_kind = row["breakdown_decode_bs32_kernel_us_by_kind"]
-    kinds = ", ".join(f"{kind} {us / 1e3:.2f}" for kind, us in sorted(by_kind.items(), key=lambda item: -item[1]))
-    return "\n".join([f"{row['method']} bs32 decode step ({row['profiled']}), GPU ms a step: "
+def report_profile(row: dict, rows: int) -> str:
+    """A method's decode step of ``rows`` rows by kernel: us a step by kind (and kernels a step), then the top
+    kernels."""
+    by_kind = row[f"breakdown_decode_bs{rows}_kernel_us_by_kind"]
+    counts = row[f"breakdown_decode_bs{rows}_kernel_count_by_kind"]
+    kinds = ", ".join(f"{kind} {us / 1e3:.2f} (x{counts.get(kind, 0):g})"
+                      for kind, us in sorted(by_kind.items(), key=lambda item: -item[1]))
+    return "\n".join([f"{row['method']} bs{rows} decode step ({row[f'profiled_bs{rows}']}), GPU ms a step: "
                       f"total {sum(by_kind.values()) / 1e3:.2f}; {kinds}",
-                      *(f"  {line}" for line in row["breakdown_decode_bs32_top_kernels_us"])])
+                      *(f"  {line}" for line in row[f"breakdown_decode_bs{rows}_top_kernels_us"])])
 
 
 def _verdict(ok: bool) -> str:
@@ -266,10 +288,11 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (a smoke test, no timing value)")
     parser.add_argument("--methods", nargs="+", choices=QUANT_METHODS, default=list(QUANT_METHODS),
                         help="methods to measure beside bf16 (default: all)")
-    parser.add_argument("--profile", action="store_true",
-                        help="also a torch.profiler breakdown of one bs32 decode step per method (CUDA)")
+    parser.add_argument("--profile", nargs="*", type=int, metavar="ROWS",
+                        help="also a torch.profiler breakdown of one decode step per method at each of these row "
+                             "counts (none given: 32; CUDA)")
     args = parser.parse_args()
-    summary = run(args.tiny, args.methods, args.profile)
+    summary = run(args.tiny, args.methods, [32] if args.profile == [] else args.profile or [])
     print(report(summary))
 
 

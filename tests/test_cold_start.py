@@ -469,8 +469,8 @@ def test_triton_kernels_are_kept_in_the_cache_folder_between_starts(tmp_path):
             "from triton.backends.compiler import GPUTarget; from triton.compiler import ASTSource, compile; "
             "from exporter.llm.fused_triton import _fused_activate_kernel as kernel; "
             "compile(ASTSource(fn=kernel, signature={'h_ptr': '*bf16', 'out_ptr': '*bf16', 'F': 'i32', "
-            "'h_stride': 'i32', 'ACTIVATION': 'constexpr', 'GATED': 'constexpr', 'BLOCK': 'constexpr'}, "
-            "constexprs={'ACTIVATION': 0, 'GATED': True, 'BLOCK': 1024}), target=GPUTarget('cuda', 90, 32)); "
+            "'h_stride': 'i32', 'ACTIVATION': 'constexpr', 'GATED': 'constexpr', 'BLOCK': 'constexpr', "
+            "'PDL': 'constexpr'}, constexprs={'ACTIVATION': 0, 'GATED': True, 'BLOCK': 1024, 'PDL': False}), target=GPUTarget('cuda', 90, 32)); "
             "print(json.dumps(compile_summary()))")
     environment = {key: value for key, value in os.environ.items() if key != "TRITON_CACHE_DIR"}
     summaries = []

@@ -291,13 +291,14 @@ def _hopper_cases():
     for residual in (False, True):
         for layernorm in (False, True):
             cases.append(("_fused_norm_kernel", norm, {"RESIDUAL": residual, "LAYERNORM": layernorm,
-                                                       "ZERO_CENTERED": layernorm, "BLOCK": 4096}, 8))
+                                                       "ZERO_CENTERED": layernorm, "BLOCK": 4096, "PDL": True}, 8))
     for per_group, rotary, cache in ((1, 128, "*bf16"), (4, 64, "*fp8e4nv"), (4, 0, "*bf16")):
         cases.append(("_fused_split_heads_kernel", tuple(a.format(cache=cache) for a in split),
                       {"QPG": per_group, "DIM": 128, "ROTARY": rotary, "CACHE": True, "SCALED": cache == "*fp8e4nv",
-                       "BLOCK_Q": per_group, "BLOCK_D": 128}, 4 if per_group * 128 >= 2048 else 2))
+                       "BLOCK_Q": per_group, "BLOCK_D": 128, "PDL": True}, 4 if per_group * 128 >= 2048 else 2))
     for code in range(5):
-        cases.append(("_fused_activate_kernel", activate, {"ACTIVATION": code, "GATED": code < 2, "BLOCK": 1024}, 4))
+        cases.append(("_fused_activate_kernel", activate, {"ACTIVATION": code, "GATED": code < 2, "BLOCK": 1024, "PDL": True},
+                      4))
     return cases
 
 
@@ -319,6 +320,7 @@ def test_kernels_compile_for_the_h100(case):
     built = compile_kernel(ASTSource(fn=kernel, signature={n: signature[n] for n in names}, constexprs=constants),
                            target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
     assert built.metadata.num_warps == warps and built.asm["cubin"]
+    assert "griddepcontrol.wait" in built.asm["ptx"]  # launched as a dependent (`triton_launch`)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or TRITON_INTERPRETED, reason="needs a CUDA GPU (and no interpreter)")

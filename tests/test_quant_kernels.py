@@ -210,11 +210,13 @@ HOPPER_CASES = [(True, "*i32", False, 1, 1, 16, 256), (True, "*i32", False, 4, 8
 
 
 @pytest.mark.parametrize("case", HOPPER_CASES, ids=lambda c: "-".join(map(str, c[:5])))
-def test_kernel_compiles_for_hopper(case):
+@pytest.mark.parametrize("dependent", [False, True], ids=["plain launch", "dependent launch"])
+def test_kernel_compiles_for_hopper(case, dependent):
     """Compiled for sm_90 without a GPU (Triton's own ptxas): the GPU build, which the interpreter never runs,
     succeeds; an int8 or fp8 tensor-core tile multiplies on wgmma; an int4 tile's words keep the layout they are
     loaded in (no conversion inside the K loop) where the accumulator is 2-D; an int8 tile converts its weights
-    by inline PTX, in byte pairs (tensor-core tiles) or in words (FMA tiles)."""
+    by inline PTX, in byte pairs (tensor-core tiles) or in words (FMA tiles); launched as a dependent
+    (`triton_launch`), its programs signal the next kernel and wait for the one before."""
     if TRITON_INTERPRETED:
         pytest.skip("compiles in the parent run")
     import triton
@@ -230,13 +232,15 @@ def test_kernel_compiles_for_hopper(case):
     constants = {"INT4": int4, "G": 128 if int4 else 1, "HAS_INPUT_SCALE": int4, "HAS_BIAS": True,
                  "GATED": split == 4, "DOT": dot, "PRECISION": "tf32", "INT8_PTX": weight_type == "*i8",
                  "BLOCK_M": block_m, "BLOCK_N": block_n,
-                 "BLOCK_K": block_k, "SPLIT_K": split}
+                 "BLOCK_K": block_k, "SPLIT_K": split, "PDL": dependent}
     signature = pointers | sizes | dict.fromkeys(constants, "constexpr")
     aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name in ("N", "K", "W_STRIDE")]
     source = ASTSource(fn=kernels._qlinear_kernel, signature=signature, constexprs=constants,
                        attrs={(i,): [["tt.divisibility", 16]] for i in aligned})
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 3})
     assert ".entry _qlinear_kernel" in compiled.asm["ptx"]
+    assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == dependent
+    assert ("griddepcontrol.launch_dependents" in compiled.asm["ptx"]) == dependent
     if dot and not int4:  # the weight tile is wgmma's register operand (`W x^T`), not mma.sync's
         assert "wgmma.mma_async" in compiled.asm["ptx"] and "mma.sync" not in compiled.asm["ptx"]
     if weight_type == "*i8":  # by byte pairs into bfloat16 (tensor cores) or by words into float32 (FMA)
@@ -263,7 +267,7 @@ def test_packed_kernel_compiles_for_hopper(split, block_m, block_n):
                 "b_ptr": "*bf16", "y_ptr": "*bf16", "p_ptr": "*fp32", "c_ptr": "*i32"}
     sizes = dict.fromkeys(("M", "N", "K", "WORDS", "NG", "M_BUCKET"), "i32")
     constants = {"G": 128, "HAS_INPUT_SCALE": True, "HAS_BIAS": True, "GATED": split == 2, "PRECISION": "tf32",
-                 "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 1024, "SPLIT_K": split}
+                 "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": 1024, "SPLIT_K": split, "PDL": True}
     signature = pointers | sizes | dict.fromkeys(constants, "constexpr")
     aligned = [i for i, name in enumerate(signature) if name.endswith("_ptr") or name in ("N", "K", "WORDS")]
     source = ASTSource(fn=kernels._packed_kernel, signature=signature, constexprs=constants,

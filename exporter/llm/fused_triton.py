@@ -26,10 +26,13 @@ import torch
 from torch import Tensor
 
 from .paged_attention import FP8_MAX
+from .triton_launch import dependent_launch
 
 try:
     import triton
     import triton.language as tl
+
+    from .triton_launch import start_dependents, wait_for_producers
 except ImportError:  # no Triton: the decoder runs its op-by-op functions
     triton = None
 
@@ -63,11 +66,12 @@ def norm(x: Tensor, delta: Tensor | None, weight: Tensor, bias: Tensor | None, e
     total = x if delta is None else torch.empty_like(out)
     if tokens:
         block = triton.next_power_of_2(width)
+        pdl = dependent_launch(x.device)
         _fused_norm_kernel[(tokens,)](
             x, x if delta is None else delta, total, weight, weight if bias is None else bias, out, width,
             x.stride(0), 0 if delta is None else delta.stride(0), eps, RESIDUAL=delta is not None,
-            LAYERNORM=bias is not None, ZERO_CENTERED=zero_centered, BLOCK=block,
-            num_warps=min(16, max(1, block // 512)))
+            LAYERNORM=bias is not None, ZERO_CENTERED=zero_centered, BLOCK=block, PDL=pdl,
+            num_warps=min(16, max(1, block // 512)), launch_pdl=pdl)
     return total, out
 
 
@@ -90,14 +94,15 @@ def split_heads(qkv: Tensor, cos: Tensor | None, sin: Tensor | None, cache_layer
     if cache:
         cache_rows, cache_positions = cache_rows.contiguous(), cache_positions.contiguous()
     cache_strides = cache_layer.stride() if cache else (0,) * 5
+    pdl = dependent_launch(qkv.device)
     _fused_split_heads_kernel[(tokens, groups)](
         qkv, cos if rotary else qkv, sin if rotary else qkv, q, kv, cache_layer if cache else qkv,
         cache_rows if cache else qkv, cache_positions if cache else qkv, kv_scale if scaled else qkv,
         qkv.stride(0), cos.stride(0) if rotary else 0, sin.stride(0) if rotary else 0, kv.stride(0),
         *cache_strides, kv_scale.stride(0) if scaled else 0, kv_scale.stride(2) if scaled else 0, FP8_MAX,
         QPG=q_per_group, DIM=dim, ROTARY=rotary_dim if rotary else 0, CACHE=cache, SCALED=scaled,
-        BLOCK_Q=triton.next_power_of_2(q_per_group), BLOCK_D=triton.next_power_of_2(dim),
-        num_warps=4 if q_per_group * dim >= 2048 else 1 if q_per_group * dim <= 256 else 2)
+        BLOCK_Q=triton.next_power_of_2(q_per_group), BLOCK_D=triton.next_power_of_2(dim), PDL=pdl,
+        num_warps=4 if q_per_group * dim >= 2048 else 1 if q_per_group * dim <= 256 else 2, launch_pdl=pdl)
     return q, kv
 
 
@@ -111,8 +116,10 @@ def activate(h: Tensor, activation: str, gated: bool, gelu_approximation: str) -
         code = 4
     out = torch.empty(tokens, width, dtype=h.dtype, device=h.device)
     if tokens and width:
+        pdl = dependent_launch(h.device)
         _fused_activate_kernel[(tokens, triton.cdiv(width, ACTIVATION_BLOCK))](
-            h, out, width, h.stride(0), ACTIVATION=code, GATED=gated, BLOCK=ACTIVATION_BLOCK, num_warps=4)
+            h, out, width, h.stride(0), ACTIVATION=code, GATED=gated, BLOCK=ACTIVATION_BLOCK, PDL=pdl, num_warps=4,
+            launch_pdl=pdl)
     return out
 
 
@@ -121,18 +128,21 @@ if triton is not None:
     @triton.jit
     def _fused_norm_kernel(x_ptr, delta_ptr, total_ptr, w_ptr, b_ptr, out_ptr, H, x_stride, delta_stride, eps,
                            RESIDUAL: tl.constexpr, LAYERNORM: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                           BLOCK: tl.constexpr):
-        """One row: (x + delta, rounded) and its norm, in float32, rounded to the input's dtype."""
+                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """One row: (x + delta, rounded) and its norm, in float32, rounded to the input's dtype. PDL: launched as
+        a dependent (`triton_launch`), γ is read before the wait."""
+        start_dependents(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < H
+        gamma = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
+        wait_for_producers(PDL)
         x = tl.load(x_ptr + row * x_stride + cols, mask=inside, other=0.0)
         if RESIDUAL:
             delta = tl.load(delta_ptr + row * delta_stride + cols, mask=inside, other=0.0)
             x = (x.to(tl.float32) + delta.to(tl.float32)).to(x_ptr.dtype.element_ty)
             tl.store(total_ptr + row * H + cols, x, mask=inside)
         x = x.to(tl.float32)
-        gamma = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
         if ZERO_CENTERED:
             gamma = gamma + 1.0
         if LAYERNORM:
@@ -159,8 +169,11 @@ if triton is not None:
             cache_kv_stride, cache_row_stride, cache_position_stride, cache_head_stride, cache_dim_stride,
             scale_kv_stride, scale_head_stride, FP8_MAX,
             QPG: tl.constexpr, DIM: tl.constexpr, ROTARY: tl.constexpr, CACHE: tl.constexpr, SCALED: tl.constexpr,
-            BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One token's KV group: its QPG query heads, key and value (rows `[q.., k, v]` of `DIM` each)."""
+            BLOCK_Q: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+        """One token's KV group: its QPG query heads, key and value (rows `[q.., k, v]` of `DIM` each). PDL:
+        launched as a dependent (`triton_launch`), it waits first."""
+        start_dependents(PDL)
+        wait_for_producers(PDL)
         token = tl.program_id(0).to(tl.int64)
         group = tl.program_id(1)
         groups = tl.num_programs(1)
@@ -221,8 +234,11 @@ if triton is not None:
 
     @triton.jit
     def _fused_activate_kernel(h_ptr, out_ptr, F, h_stride, ACTIVATION: tl.constexpr, GATED: tl.constexpr,
-                               BLOCK: tl.constexpr):
-        """One token's block of output columns: act(gate) rounded to the dtype, times up where GATED."""
+                               BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+        """One token's block of output columns: act(gate) rounded to the dtype, times up where GATED. PDL:
+        launched as a dependent (`triton_launch`), it waits first."""
+        start_dependents(PDL)
+        wait_for_producers(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < F

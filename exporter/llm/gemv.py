@@ -26,10 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .parallel_compile import compile_candidates_ahead, compiling_only
+from .triton_launch import dependent_launch
 
 try:
     import triton
     import triton.language as tl
+
+    from .triton_launch import start_dependents, wait_for_producers
 except ImportError:  # no Triton (CPU-only installs): F.linear everywhere
     triton = None
 
@@ -227,9 +230,10 @@ def _gemv(x: Tensor, weight: Tensor, bias: Tensor | None, gated: bool = False) -
     rows, depth = weight.shape
     out = torch.empty(*x.shape[:-1], rows, dtype=x.dtype, device=x.device)
     vector = x.reshape(-1).contiguous()
+    pdl = dependent_launch(x.device)
     _tuned_gemv_kernel[lambda meta: (triton.cdiv(rows, meta["BLOCK_N"]),)](
         vector, weight, bias if bias is not None else weight, out, rows, depth, HAS_BIAS=bias is not None,
-        GATED=gated)
+        GATED=gated, PDL=pdl, launch_pdl=pdl)
     return out
 
 
@@ -244,23 +248,42 @@ if triton is not None:
         return (gate * tl.sigmoid(gate) * up).to(gate_ptr.dtype.element_ty).to(tl.float32)
 
     @triton.jit
+    def _gemv_weights(w_ptr, rows, row_ok, start, K, BLOCK_K: tl.constexpr):
+        """The weight tile `rows x [start, start + BLOCK_K)` in float32 (columns past K: 0)."""
+        cols = start + tl.arange(0, BLOCK_K)
+        w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :],
+                    other=0.0, eviction_policy="evict_first")
+        return w.to(tl.float32)
+
+    @triton.jit
+    def _gemv_input(x_ptr, start, K, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The input's columns `[start, start + BLOCK_K)` in float32 (past K: 0)."""
+        cols = start + tl.arange(0, BLOCK_K)
+        if GATED:
+            x = silu_gated(x_ptr, cols, cols < K, K)
+        else:
+            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        return x
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, K, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
         """y[n] = sum_k W[n, k] x[k] (+ b[n]) for BLOCK_N rows per program, accumulated in float32; GATED: x is
-        `[gate; up]` (2K long) and the input silu(gate) * up."""
+        `[gate; up]` (2K long) and the input silu(gate) * up. PDL (launched as a dependent, `triton_launch`): the
+        first weight tile is loaded before the wait for x."""
+        start_dependents(PDL)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
-            cols = start + tl.arange(0, BLOCK_K)
-            col_ok = cols < K
-            w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
-                        other=0.0, eviction_policy="evict_first")
-            if GATED:
-                x = silu_gated(x_ptr, cols, col_ok, K)
-            else:
-                x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-            acc += w.to(tl.float32) * x[None, :]
+        first = 0
+        if PDL:
+            w = _gemv_weights(w_ptr, rows, row_ok, 0, K, BLOCK_K)
+            wait_for_producers(PDL)
+            acc += w * _gemv_input(x_ptr, 0, K, GATED, BLOCK_K)[None, :]
+            first = BLOCK_K
+        for start in range(first, K, BLOCK_K):
+            acc += _gemv_weights(w_ptr, rows, row_ok, start, K, BLOCK_K) * _gemv_input(x_ptr, start, K, GATED,
+                                                                                      BLOCK_K)[None, :]
         y = tl.sum(acc, axis=1)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)

@@ -27,7 +27,6 @@ final output, never applied per element. A float8 cache's decode tiles take twic
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable
 
 import torch
@@ -35,10 +34,14 @@ from torch import Tensor
 
 from .gemv import register_tuned, time_candidate
 from .parallel_compile import compiling_only
+from .triton_launch import INTERPRETED as _INTERPRETED
+from .triton_launch import dependent_launch
 
 try:
     import triton
     import triton.language as tl
+
+    from .triton_launch import start_dependents, wait_for_producers
 except ImportError:  # no Triton: the reference path in exporter.llm.paged_attention runs
     triton = None
 
@@ -47,7 +50,6 @@ TUNE_CONTEXT = 1024  # the positions of each decode row while the decode kernel'
 TUNE_PREFIX = 4096  # the cached positions before a chunk while the chunk kernel's configurations are timed
 TUNE_MIN_BLOCKS = 256  # the smallest pool the configurations are timed over (a smaller one stays in the L2 cache)
 _LOG2E = 1.4426950408889634
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 _tuned: set[str] = set()  # the kinds of call (`_tune_first`, as text) whose configurations were timed
 
 
@@ -115,6 +117,8 @@ def _decode(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, positions: Tensor, 
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0))
     scale = _LOG2E / math.sqrt(dim)
     kernel = decode_kernel(fp8, per_group)
+    pdl = dependent_launch(q.device)
+    common.update(PDL=pdl, launch_pdl=pdl)
     if splits <= 1:
         kernel[_decode_grid(rows, groups, 1)](q, k, v, tables, positions, k_scale, v_scale, out, out, out, out,
                                               *strides, out.stride(0), out.stride(1), 0, tables.shape[1],
@@ -187,12 +191,13 @@ def _chunk(q: Tensor, k: Tensor, v: Tensor, tables: Tensor, tiles: Tensor, scale
             lse.fill_(float("-inf"))
         target_strides = (target.stride(0), target.stride(1), target.stride(2))
     count = tiles.shape[0]
+    pdl = dependent_launch(q.device)
     _chunk_tuned[lambda meta: (count * (CHUNK_TILE // meta["BLOCK_M"]), heads, splits)](
         q, k, v, tables, tiles, k_scale, v_scale, target, lse, out, counters if merge else out, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), k.stride(2), tables.stride(0), *target_strides, tables.shape[1],
         window or 0, _LOG2E / math.sqrt(dim), QPG=heads // groups, D=dim, DP=_padded(dim), BS=k.shape[1],
         TILE=CHUNK_TILE, SPLITS=splits, FP8=fp8, WINDOWED=window is not None, PRECISION=_precision(q.dtype),
-        MERGE=merge)
+        MERGE=merge, PDL=pdl, launch_pdl=pdl)
     if splits > 1 and not merge:
         _merge(target, lse, out, splits)
     return out
@@ -382,11 +387,15 @@ if triton is not None:
                              QPG: tl.constexpr, QP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                              BS: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
                              WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
-                             GROUP_MAJOR: tl.constexpr, LANES: tl.constexpr = 0, UNROLL: tl.constexpr = 1):
+                             GROUP_MAJOR: tl.constexpr, LANES: tl.constexpr = 0, UNROLL: tl.constexpr = 1,
+                             PDL: tl.constexpr = False):
         """One (row, KV head, split), the grid ``(rows, KV heads, splits)`` or with ``GROUP_MAJOR`` ``(KV heads,
         rows, splits)``: online softmax over the split's keys for the KV head's query heads. With
         ``MERGE`` the split that finishes last (its ticket from ``counters_ptr``) merges the row's splits into
-        ``merged_ptr`` (laid out as ``q``) and sets the ticket back to zero."""
+        ``merged_ptr`` (laid out as ``q``) and sets the ticket back to zero. PDL: launched as a dependent
+        (`triton_launch`), it waits first."""
+        start_dependents(PDL)
+        wait_for_producers(PDL)
         if GROUP_MAJOR:  # programs side by side read the same positions of every KV head: longer runs of bytes
             group, row, groups = tl.program_id(0), tl.program_id(1), tl.num_programs(0)
         else:
@@ -495,10 +504,14 @@ if triton is not None:
                             stride_tr, stride_ot, stride_oh, stride_os, max_blocks, window, scale, QPG: tl.constexpr,
                             D: tl.constexpr, DP: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, FP8: tl.constexpr,
-                            WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr):
+                            WINDOWED: tl.constexpr, PRECISION: tl.constexpr, MERGE: tl.constexpr,
+                            PDL: tl.constexpr = False):
         """One (``BLOCK_M`` queries of a ``TILE``-query tile, head, split): causal online softmax over the split's
         share of those queries' keys (with ``MERGE``, the last split to finish merges them into ``merged_ptr``,
-        laid out as ``q``). A tile's part past its query count does nothing."""
+        laid out as ``q``). A tile's part past its query count does nothing. PDL: launched as a dependent, it
+        waits first."""
+        start_dependents(PDL)
+        wait_for_producers(PDL)
         program = tl.program_id(0)
         tile = program // (TILE // BLOCK_M)
         part = (program % (TILE // BLOCK_M)) * BLOCK_M

@@ -43,7 +43,6 @@ all of it can be captured in CUDA graphs.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Callable, Iterable
 
 import torch
@@ -52,6 +51,7 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..gemv import ACTIVATION_FIRST, activation_first, chosen, fastest, measure_ms, register_tuned
+from ..triton_launch import INTERPRETED, dependent_launch
 from .formats import FP8_MAX, QuantLayout, dequantize
 
 try:
@@ -60,7 +60,6 @@ try:
 except ImportError:  # no Triton (CPU-only installs): the reference everywhere
     triton = None
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # inline PTX cannot run under Triton's interpreter
 DECODE_ROWS = 8  # up to this many rows the fused kernel accumulates with FMAs; more use tensor cores
 SPLIT_ROWS = 64  # above this many rows the output tiles alone fill the GPU: no split-K candidate
 # copy -> the candidates that read it: a weight's tensors in a form only they read ("tinygemm": an int4 weight in
@@ -173,7 +172,7 @@ def fused_linear(x: Tensor, layout: QuantLayout, weight: Tensor, scale: Tensor, 
     arguments = dict(
         INT4=layout.int4, G=layout.group or 1, HAS_INPUT_SCALE=input_scale is not None, HAS_BIAS=bias is not None,
         GATED=gated, DOT=dot, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        INT8_PTX=layout.method == "int8_wo" and not _INTERPRETED and (not dot or x.dtype == torch.bfloat16))
+        INT8_PTX=layout.method == "int8_wo" and not INTERPRETED and (not dot or x.dtype == torch.bfloat16))
     if not dot:
         arguments["BLOCK_M"] = triton.next_power_of_2(rows)
     weight = _weight_words(layout, weight)
@@ -206,7 +205,8 @@ def _launch(tuned, kernel, x: Tensor, n: int, tensors: tuple, sizes: tuple, argu
         partials = tickets = out  # not read
     grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(rows, meta["BLOCK_M"]),  # noqa: E731
                          meta["SPLIT_K"])
-    tuned[grid](*tensors, out, partials, tickets, *sizes, **arguments)
+    pdl = dependent_launch(x.device)
+    tuned[grid](*tensors, out, partials, tickets, *sizes, **arguments, PDL=pdl, launch_pdl=pdl)
     return out
 
 
@@ -391,6 +391,7 @@ def _row_bucket(rows: int) -> int:
 
 if triton is not None:
     from ..gemv import silu_gated
+    from ..triton_launch import start_dependents, wait_for_producers
 
     @triton.jit
     def _exact_float(v, OFFSET: tl.constexpr):
@@ -498,7 +499,8 @@ if triton is not None:
                         M_BUCKET,
                         INT4: tl.constexpr, G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                         GATED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr, INT8_PTX: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                        PDL: tl.constexpr = False):
         """y[m, n] = sum_k x[m, k] (* xs[k]) W[n, k] (+ b[n]) for a BLOCK_M x BLOCK_N tile, in float32, over the
         program's slice of K (axis 2 of the grid: SPLIT_K slices of whole BLOCK_K tiles).
 
@@ -508,7 +510,9 @@ if triton is not None:
         a per-thread accumulator reduced once at the end (few rows: the weight read dominates). INT8_PTX (int8
         weights compiled for CUDA; bfloat16 activations with DOT): int8 tiles converted by inline PTX. SPLIT_K > 1:
         `_store_tile` finishes the tile from the slices' partials (`p_ptr`, `[SPLIT_K, M, N]` float32) and tickets
-        (`c_ptr`). M_BUCKET only keys the autotuning."""
+        (`c_ptr`). M_BUCKET only keys the autotuning. PDL (launched as a dependent, `triton_launch`): FMA tiles
+        load their first weight tile before the wait for x, tensor-core ones wait first."""
+        start_dependents(PDL)
         rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
         part = tl.program_id(2)
         dtype = x_ptr.dtype.element_ty
@@ -520,7 +524,20 @@ if triton is not None:
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(part * width, tl.minimum(part * width + width, K), BLOCK_K):
+        PEELED: tl.constexpr = BLOCK_K if PDL and not DOT else 0  # K columns read before the loop
+        if PEELED:  # the slice's first weight tile (inside it, or past K: zeros) is read before the wait
+            w = _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, part * width, W_STRIDE, NG, INT4, G, BLOCK_N,
+                             BLOCK_K, INT8_PTX, DOT)
+            wait_for_producers(PDL)
+            cols = part * width + tl.arange(0, BLOCK_K)
+            x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE, GATED)
+            if ONE_ROW:
+                acc += w * x
+            else:
+                acc += w[None, :, :] * x[:, None, :]
+        else:
+            wait_for_producers(PDL)
+        for k0 in range(part * width + PEELED, tl.minimum(part * width + width, K), BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             x = _activations(x_ptr, xs_ptr, tokens, token_ok, cols, cols < K, K, HAS_INPUT_SCALE, GATED)
             w = _weight_tile(w_ptr, s_ptr, z_ptr, rows, row_ok, k0, W_STRIDE, NG, INT4, G, BLOCK_N, BLOCK_K,
@@ -582,14 +599,17 @@ if triton is not None:
     def _packed_kernel(x_ptr, w_ptr, s_ptr, z_ptr, xs_ptr, b_ptr, y_ptr, p_ptr, c_ptr, M, N, K, WORDS, NG,
                        M_BUCKET,
                        G: tl.constexpr, HAS_INPUT_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       GATED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SPLIT_K: tl.constexpr):
+                       GATED: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr = False):
         """y = x W^T (+ b) for a BLOCK_M x BLOCK_N tile over the program's slice of K, W int4 in the
         `pack_int4_words` layout (WORDS words a row, chunks of 8 groups; BLOCK_K a multiple of a chunk).
 
         Each chunk's `[BLOCK_N, G]` words are loaded once; shift i and a mask give group i of the chunk (a plain
         tile in the words' own layout: no reordering), dequantized by one FMA with its rows' scale and scale x
-        zero, rounded to x's dtype and multiplied on tensor cores by x's columns of that group."""
+        zero, rounded to x's dtype and multiplied on tensor cores by x's columns of that group. PDL: launched as a
+        dependent (`triton_launch`), it waits first."""
+        start_dependents(PDL)
+        wait_for_producers(PDL)
         rows, row_ok, tokens, token_ok = _program_tile(M, N, BLOCK_M, BLOCK_N)
         part = tl.program_id(2)
         dtype = x_ptr.dtype.element_ty
