@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
+from dependent_launch_probe import time_graph  # noqa: E402
 
 from exporter.llm.quant import kernels as qk  # noqa: E402
 from exporter.llm.quant.formats import QuantLayout  # noqa: E402
@@ -61,26 +62,6 @@ def qgemv(w_ptr, s_ptr, x_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
 
 
 SHAPES = [(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)]
-
-
-def time_graph(fn, reps=20):
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / reps)
-    return sorted(times)[2]
 
 
 def main():
