@@ -58,12 +58,14 @@ def _stored(method: str, n: int, k: int, dtype: torch.dtype, device: str = "cpu"
     return layout, (stored["weight"], stored["weight_scale"], stored.get("weight_zero"))
 
 
-def test_kernels_launch_plainly_unless_asked_and_where_the_gpu_has_it(monkeypatch):
-    """Off by default and when turned off; never on the CPU outside the interpreter, even when asked; on where
-    asked and the GPU has it (the environment variable or `set_dependent_launch`)."""
+def test_kernels_launch_as_dependents_where_the_gpu_has_them_unless_turned_off(monkeypatch):
+    """On by default where the GPU has them; off when turned off (the environment variable or
+    `set_dependent_launch`); never on the CPU outside the interpreter, even when asked; under the interpreter only
+    when `set_dependent_launch` asks."""
     monkeypatch.delenv(triton_launch.ENVIRONMENT, raising=False)
     device = torch.device("cuda" if HOPPER else "cpu")
-    assert not triton_launch.dependent_launch(device)
+    assert triton_launch.dependent_launch(device) == (HOPPER and not TRITON_INTERPRETED)
+    assert not triton_launch.dependent_launch(torch.device("cpu"))
     triton_launch.set_dependent_launch(False)
     try:
         assert not triton_launch.dependent_launch(device)
@@ -72,7 +74,9 @@ def test_kernels_launch_plainly_unless_asked_and_where_the_gpu_has_it(monkeypatc
         assert triton_launch.dependent_launch(device) == (HOPPER or TRITON_INTERPRETED)
     finally:
         triton_launch.set_dependent_launch(None)
-    monkeypatch.setenv(triton_launch.ENVIRONMENT, "1")  # the interpreter runs that code only when set to
+    monkeypatch.setenv(triton_launch.ENVIRONMENT, "0")
+    assert not triton_launch.dependent_launch(device)
+    monkeypatch.setenv(triton_launch.ENVIRONMENT, "1")
     assert triton_launch.dependent_launch(device) == (HOPPER and not TRITON_INTERPRETED)
 
 
