@@ -56,6 +56,11 @@ CALIBRATION_ROWS, CALIBRATION_LENGTH = 4, 512
 _LAUNCHES = ("dependent_launch", "plain_launch")  # how the step's Triton kernels launch (`triton_launch`)
 
 
+def _other_launch(launch: str) -> str:
+    """The one of `_LAUNCHES` that is not ``launch``."""
+    return next(other for other in _LAUNCHES if other != launch)
+
+
 def random_weights(shape: dict, device: torch.device, dtype: torch.dtype) -> tuple[DecoderConfig, dict]:
     """A Llama decoder of ``shape["llm"]`` (LLaVA-1.5's LLM for FULL) with random canonical weights."""
     llm = shape["llm"]
@@ -146,7 +151,8 @@ def measure(name: str, decoder: Decoder, device: torch.device, copy_tbps: float,
             result[f"products_ms_bs{rows}"] = products_ms(decoder, rows)
         if supported(device):  # the batch-1 step and its products again, launched the other way
             default = dependent_launch(device)
-            result["launch"], other = _LAUNCHES if default else _LAUNCHES[::-1]
+            result["launch"] = _LAUNCHES[0] if default else _LAUNCHES[1]
+            other = _other_launch(result["launch"])
             set_dependent_launch(not default)
             try:
                 beside = {"weight_GB": result["weight_GB"], "copy_TBps": copy_tbps}
@@ -252,7 +258,7 @@ def report(summary: dict) -> str:
         lines.append(f"  {method:9} " + "; ".join(checks))
     for row in summary["rows"]:
         if "launch" in row:
-            other = next(launch for launch in _LAUNCHES if launch != row["launch"])
+            other = _other_launch(row["launch"])
             lines.append(f"  {row['method']:9} bs1 step (products) by {row['launch']} "
                          f"{row['decode_ms_bs1_ours']:.2f} ({row['products_ms_bs1']:.2f}) ms, by {other} "
                          f"{row[f'decode_ms_bs1_{other}']:.2f} ({row[f'products_ms_bs1_{other}']:.2f}) ms")
