@@ -15,8 +15,9 @@ from safetensors import safe_open
 
 from exporter import TensorRTMMExporter
 from exporter.llm.config import QUANT_METHODS, DecoderConfig, QuantConfig
-from exporter.llm.model import Decoder, select_llm_weights
+from exporter.llm.model import MLP, Decoder, select_llm_weights
 from exporter.llm.quant import QuantLinear, dequantize, quantize
+from exporter.llm.quant.calibrate import awq_scales
 from exporter.llm.quant.convert import quantize_decoder_weights
 from exporter.llm.quant.formats import QuantLayout, group_size_for
 from exporter.llm.quant.kernels import quantized_linear, tinygemm_nibbles, tinygemm_scales_and_zeros
@@ -121,6 +122,21 @@ def test_quantized_decoder_is_one_load_and_the_reference_product(method):
         model32 = Decoder.from_state_dict(config, weights)
         error = (model32(model32.embed(ids)) - float_model(float_model.embed(ids))).norm()
     assert 0 < error / float_model(float_model.embed(ids)).norm() < 0.2  # quantized, and close to the float model
+
+
+def test_awq_searches_fc2_on_its_activated_input_where_fc2_computes_the_activation(monkeypatch):
+    """On CUDA fc2 of a SwiGLU MLP is given fc1's `[gate; up]` and computes silu(gate) * up itself: the AWQ
+    search still sees fc2's product input (here that route is taken on the CPU, where fc2's product is the same)."""
+    weights = select_llm_weights(make_tiny_gpt_weights(CONFIG, vocab=64, seed=2))
+    model = Decoder.from_state_dict(DecoderConfig.from_nemo(CONFIG, vocab_size=64), weights)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    apart = awq_scales(model, ids, QuantConfig("int4_awq"))
+    monkeypatch.setattr(MLP, "fuses_activation", lambda self, h, adapters: True)
+    fused = awq_scales(model, ids, QuantConfig("int4_awq"))
+    assert fused.keys() == apart.keys()
+    assert fused["decoder.layers.0.mlp.linear_fc2"].shape == (CONFIG["ffn_hidden_size"],)
+    for key in apart:
+        torch.testing.assert_close(fused[key], apart[key], rtol=1e-5, atol=1e-6)
 
 
 def test_a_quantized_state_dict_missing_a_scale_names_it():

@@ -348,10 +348,15 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, adapters: Tensor | None = None) -> Tensor:
         h = _project(self.linear_fc1, x, adapters)
-        if self.silu_gated and h.is_cuda and (adapters is None or getattr(self.linear_fc2, "lora", None) is None):
-            # SwiGLU on CUDA: fc2's kernels that can compute silu(gate) * up as they read h do (one kernel less)
+        if self.fuses_activation(h, adapters):
             return self.linear_fc2(h, gated_silu=self._activated)
         return _project(self.linear_fc2, self._activated(h), adapters)
+
+    def fuses_activation(self, h: Tensor, adapters: Tensor | None) -> bool:
+        """Whether fc2 is given fc1's output `h` (`[gate; up]`) with `gated_silu`: SwiGLU on CUDA without LoRA on
+        fc2, where fc2's kernels that can compute silu(gate) * up as they read h do (one kernel less)."""
+        return (self.silu_gated and h.is_cuda
+                and (adapters is None or getattr(self.linear_fc2, "lora", None) is None))
 
     def _activated(self, h: Tensor) -> Tensor:
         """fc2's input from fc1's output `h [..., F or 2F]`: `act(h)`, or `act(gate) * up`."""

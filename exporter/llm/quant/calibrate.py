@@ -65,8 +65,9 @@ def calibration_ids(tokenizer: Tokenizer, prompts: list[str], max_len: int) -> T
 @torch.inference_mode()
 def awq_scales(decoder: Decoder, ids: Tensor, config: QuantConfig) -> dict[str, Tensor]:
     """Per quantized linear module (`decoder.layers.<i>.<name>`), the input channel scales `s [K]` (float32) to
-    quantize its weight with (`formats.quantize(..., channel_scale=s)`), searched on the inputs it sees while
-    the float `decoder` runs the calibration `ids [R, L]`."""
+    quantize its weight with (`formats.quantize(..., channel_scale=s)`), searched on the inputs of its product
+    (fc2 given fc1's `[gate; up]` and `gated_silu`: `silu(gate) * up`) while the float `decoder` runs the
+    calibration `ids [R, L]`."""
     scales: dict[str, Tensor] = {}
     hooks = []
     for index, layer in enumerate(decoder.decoder.layers):
@@ -74,10 +75,11 @@ def awq_scales(decoder: Decoder, ids: Tensor, config: QuantConfig) -> dict[str, 
             module = layer.get_submodule(name)
             key = f"decoder.layers.{index}.{name}"
 
-            def search(module: torch.nn.Module, args: tuple[Tensor, ...], key: str = key) -> None:
-                scales[key] = search_scale(args[0].reshape(-1, args[0].shape[-1]), module.weight, config)
+            def search(module: torch.nn.Module, args: tuple[Tensor, ...], kwargs: dict, key: str = key) -> None:
+                x = args[0] if kwargs.get("gated_silu") is None else kwargs["gated_silu"](args[0])
+                scales[key] = search_scale(x.reshape(-1, x.shape[-1]), module.weight, config)
 
-            hooks.append(module.register_forward_pre_hook(search))
+            hooks.append(module.register_forward_pre_hook(search, with_kwargs=True))
     try:
         decoder(decoder.embed(ids.to(decoder.device)))
     finally:
