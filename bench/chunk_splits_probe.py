@@ -31,15 +31,13 @@ import time  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 
 import torch  # noqa: E402
-from torch import Tensor  # noqa: E402
-
 from llava_bench import save_result  # noqa: E402
+from torch import Tensor  # noqa: E402
 
 from exporter.llm import paged_triton  # noqa: E402
 from exporter.llm.paged_attention import PagedKVCache  # noqa: E402
 from exporter.llm.paged_triton import CHUNK_TILE  # noqa: E402
-from exporter.runtime.cuda_graphs import (  # noqa: E402
-    MAX_PIECES, _tile_capacity, chunk_bucket_sizes, decode_splits)
+from exporter.runtime.cuda_graphs import MAX_PIECES, _tile_capacity, chunk_bucket_sizes, decode_splits  # noqa: E402
 from exporter.runtime.scheduler import DEFAULT_MAX_NUM_TOKENS  # noqa: E402
 
 # queries@cached positions before them: the eleventh run's second question, a few tiles after a long prefix,

@@ -30,14 +30,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from exporter import TensorRTMMExporter
-from exporter.engine import EngineError
+from exporter.checkpoint import NemoCheckpoint, NemoCheckpointError
+from exporter.engine import EngineError, writing
 from exporter.engine.directory import LLM_WEIGHTS, load_llm_weights
 from exporter.engine.kernel_cache import CHOICES_FILE, KernelCache
 from exporter.engine.loading import load_tensors, stream_chunks
 from exporter.engine.progress import byte_progress
 from exporter.engine.safetensors_format import read_header
-from exporter.checkpoint import NemoCheckpoint, NemoCheckpointError
-from exporter.engine import writing
 from exporter.engine.writing import stream_tensors, write_tensors
 from exporter.llm import gemv, paged_triton
 from exporter.meta_device import on_meta
@@ -667,6 +666,7 @@ def test_export_builds_the_tower_without_transformers_and_with_its_defaults(tmp_
     """A tower folder's config.json that leaves defaults out: the engine's spec holds the values transformers' own
     config class gives them, and building the tower imports no transformers."""
     from omegaconf import OmegaConf
+
     from support.vision_towers import model_config, projector_state, tiny_tower
 
     reference = tiny_tower(tower_type)

@@ -17,8 +17,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from exporter import TensorRTMMExporter
-from exporter import tensorrt_mm_exporter
+from exporter import TensorRTMMExporter, tensorrt_mm_exporter
 from exporter.engine import EngineLimits, directory
 from exporter.engine.kernel_cache import CHOICES_FILE, KernelCache
 from exporter.llm.config import DecoderConfig

@@ -309,7 +309,8 @@ def test_kernels_compile_for_the_h100(case):
     if TRITON_INTERPRETED:
         pytest.skip("compiles in the parent run")
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as compile_kernel
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as compile_kernel
 
     name, arguments, constants, warps = case
     kernel = getattr(fused_triton, name)

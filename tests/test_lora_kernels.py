@@ -141,7 +141,8 @@ def test_kernels_compile_for_the_h100(tokens, rank):
     if INTERPRETED:
         pytest.skip("compiles in the parent run")
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, compile as compile_kernel
+    from triton.compiler import ASTSource
+    from triton.compiler import compile as compile_kernel
 
     from exporter.llm.lora_kernels import _expand_kernel, _shrink_kernel, tiles
 

@@ -15,9 +15,9 @@ from exporter.llm.generate import SamplingParams
 from exporter.llm.model import Decoder, select_llm_weights
 from exporter.llm.paged_attention import FP8_DTYPE, PagedBatch, PagedKVCache, paged_attention
 from exporter.llm.paged_triton import split_count
+from exporter.models import PromptLayout
 from exporter.runtime.chunk_pacing import MIXED_STEP_LIMIT, SMALLEST_SHARE, ChunkPacer, chunk_cost
 from exporter.runtime.cuda_graphs import Piece, chunk_bucket_sizes
-from exporter.models import PromptLayout
 from exporter.runtime.kv_cache import BlockPool, KVCacheOptions, prefix_keys
 from exporter.runtime.pipeline import MediaNumbers, prompt_prefix
 from exporter.runtime.scheduler import DECODE_CHUNK_TOKENS, Scheduler, generate

@@ -27,7 +27,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-import triton.compiler  # noqa: E402
+import triton.compiler  # noqa: E402, F811
 import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402

@@ -28,11 +28,11 @@ from exporter.engine import EngineError, directory, loading
 from exporter.engine.directory import LLM_WEIGHTS, background_fill
 from exporter.engine.loading import PendingWeights
 from exporter.engine.writing import write_tensors
+from exporter.llm.generate import SamplingParams
 from exporter.llm.quant import kernels
 from exporter.llm.quant.linear import QuantLinear
 from exporter.runtime import Request
 from exporter.runtime.scheduler import Scheduler
-from exporter.llm.generate import SamplingParams
 from support.media import random_image
 from support.tokenizer_files import tokenizer_file
 from support.vlm import build_vlm

@@ -28,7 +28,6 @@ from .feature_cache import FeatureCache, media_key
 from .kv_cache import KVCacheOptions
 from .scheduler import Handle, Scheduler
 
-
 # the host phases ``Pipeline.on_phase`` reports, in the order a request meets them
 PHASES = ("media decode", "media hash", "encoder cache wait", "preprocess", "encoder", "encoder cache hit", "tokenize",
           "embed", "submit")
