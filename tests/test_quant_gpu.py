@@ -136,6 +136,23 @@ def _decoder(method: str, device: str, dtype: torch.dtype, quantized_from: torch
     return Decoder.from_state_dict(config, weights, dtype=dtype, device=device)
 
 
+@torch.inference_mode()
+def test_int4_awq_quantized_on_the_gpu_stores_what_the_cpu_does():
+    """On CUDA fc2 computes SwiGLU as it reads fc1's `[gate; up]`: calibrating and quantizing there (what an
+    export on a GPU does) gives the CPU's stored tensors, up to float32 rounding of the search."""
+    weights = {k: v * 0.3 for k, v in select_llm_weights(make_tiny_gpt_weights(CONFIG, vocab=VOCAB, seed=3)).items()
+               if not k.endswith(".bias")}
+    config = DecoderConfig.from_nemo(CONFIG, vocab_size=VOCAB)
+    calibration = torch.randint(3, VOCAB, (2, 64), generator=torch.Generator().manual_seed(1))
+    stored = {device: dict(weights) for device in ("cpu", "cuda")}
+    for device, tensors in stored.items():
+        quantize_decoder_weights(config, tensors, QuantConfig("int4_awq"), calibration, device)
+    name = "decoder.layers.0.mlp.linear_fc2.input_scale"
+    assert stored["cuda"][name].shape == (CONFIG["ffn_hidden_size"],)
+    for key, tensor in stored["cpu"].items():
+        torch.testing.assert_close(stored["cuda"][key].float(), tensor.float(), rtol=1e-3, atol=1e-3, msg=key)
+
+
 @pytest.mark.parametrize("method", QUANT_METHODS)
 @torch.inference_mode()
 def test_float32_greedy_tokens_through_captured_steps_equal_the_cpu(method):
